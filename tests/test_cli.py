@@ -1,0 +1,158 @@
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT
+
+from trainer.cli import main
+from trainer.recipes import RecipeError, available_recipes, parse_overrides, resolve_recipe
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    captured = capsys.readouterr()
+    return exc.value.code, captured.out + captured.err
+
+
+def write_recipe(tmp_path: Path, edit) -> Path:
+    recipe = yaml.safe_load((ROOT / "recipes" / "target_tiny.yaml").read_text())
+    edit(recipe)
+    path = tmp_path / "edited.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_resolve_bare_name_with_and_without_suffix(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # the package's recipes/ is found from anywhere
+    assert resolve_recipe("target_tiny").resolve() == ROOT / "recipes" / "target_tiny.yaml"
+    assert resolve_recipe("target_tiny.yaml").resolve() == ROOT / "recipes" / "target_tiny.yaml"
+    assert "target_tiny" in available_recipes()
+
+
+def test_resolve_path_and_local_recipes_dir(monkeypatch, tmp_path):
+    own = tmp_path / "mine.yaml"
+    own.write_text("trainer: {max_steps: 1}\n")
+    assert resolve_recipe(str(own)) == own
+    assert resolve_recipe(str(tmp_path / "mine")) == own
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "local_one.yaml").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_recipe("local_one").name == "local_one.yaml"
+
+
+def test_unknown_recipe_suggests_closest():
+    with pytest.raises(RecipeError, match=r"recipe 'target_tinny' not found. Did you mean 'target_tiny'\?"):
+        resolve_recipe("target_tinny")
+
+
+def test_override_parsing():
+    got = parse_overrides(["--a.b", "1", "--c=2", "--flag", "--d", "x y"])
+    assert [(o.key, o.value) for o in got] == [("a.b", "1"), ("c", "2"), ("flag", None), ("d", "x y")]
+    with pytest.raises(RecipeError, match="unexpected argument 'stray'"):
+        parse_overrides(["stray"])
+
+
+def test_misspelt_model_key_in_override_names_recipe_key_and_suggestion():
+    # The acceptance command, as a user runs it: one screen, no traceback, exit code 2, fast.
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "fit", "--recipe", "target_tiny", "--model.hiden_size", "3"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    elapsed = time.perf_counter() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "hiden_size" in out and "did you mean: model.hidden_size" in out
+    assert "recipes/target_tiny.yaml" in out
+    assert "Traceback" not in out
+    assert len(out.splitlines()) < 25
+    assert elapsed < 60  # generous: a model load or data tokenization would not fit anyway on a slow CI box
+
+
+def test_misspelt_key_in_recipe_file(capsys, tmp_path):
+    def misspell(recipe):
+        args = recipe["model"]["init_args"]
+        args["hiden_size"] = args.pop("hidden_size")
+
+    path = write_recipe(tmp_path, misspell)
+    code, out = run_main(capsys, "fit", "--recipe", str(path))
+    assert code == 2
+    assert "unknown key 'model.init_args.hiden_size' in the recipe file" in out
+    assert str(path) in out and "did you mean: model.init_args.hidden_size" in out
+
+
+def test_misspelt_trainer_key_in_file_and_override(capsys, tmp_path):
+    path = write_recipe(tmp_path, lambda r: r["trainer"].update(max_stepz=3))
+    code, out = run_main(capsys, "fit", "--recipe", str(path))
+    assert code == 2 and "trainer.max_stepz" in out and "did you mean: trainer.max_steps" in out
+    code, out = run_main(capsys, "fit", "--recipe", "target_tiny", "--trainer.max_stepz", "3")
+    assert code == 2 and "in the override --trainer.max_stepz" in out and "trainer.max_steps" in out
+
+
+def test_unknown_top_level_key_lists_valid_keys(capsys, tmp_path):
+    path = write_recipe(tmp_path, lambda r: r.update(seed_everythin=1))
+    code, out = run_main(capsys, "fit", "--recipe", str(path))
+    assert code == 2 and "unknown key 'seed_everythin'" in out and "seed_everything" in out
+
+
+def test_wrong_type_names_key_and_expectation(capsys):
+    code, out = run_main(capsys, "fit", "--recipe", "target_tiny", "--model.hidden_size", "abc")
+    assert code == 2
+    assert "invalid value for 'model.hidden_size'" in out and "int" in out and "abc" in out
+    code, out = run_main(capsys, "fit", "--recipe", "target_tiny", "--data.batch_size", "many")
+    assert code == 2 and "data.batch_size" in out
+    code, out = run_main(capsys, "fit", "--recipe", "target_tiny", "--model.export_dtype", "float8")
+    assert code == 2 and "model.export_dtype" in out
+
+
+def test_unimportable_class_path(capsys, tmp_path):
+    path = write_recipe(tmp_path, lambda r: r["model"].update(class_path="trainer.nowhere.Model"))
+    code, out = run_main(capsys, "fit", "--recipe", str(path))
+    assert code == 2 and "trainer.nowhere.Model" in out and "cannot be imported" in out
+
+
+def test_broken_yaml_and_non_mapping(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  max_steps: [1,\n")
+    code, out = run_main(capsys, "fit", "--recipe", str(bad))
+    assert code == 2 and "is not valid YAML" in out and "line" in out
+    bad.write_text("- a\n- b\n")
+    code, out = run_main(capsys, "fit", "--recipe", str(bad))
+    assert code == 2 and "must be a mapping" in out
+
+
+def test_unknown_command_and_missing_recipe(capsys):
+    code, out = run_main(capsys, "fitt", "--recipe", "target_tiny")
+    assert code == 2 and "Did you mean 'fit'" in out
+    code, out = run_main(capsys, "fit")
+    assert code == 2 and "needs --recipe" in out
+    code, out = run_main(capsys, "fit", "--recipe")
+    assert code == 2 and "--recipe needs" in out
+
+
+def test_missing_tokenizer_is_reported_before_training(capsys, tmp_path):
+    code, out = run_main(capsys, "fit", "--recipe", "target_tiny", "--data.tokenizer", str(tmp_path / "none"))
+    assert code == 2 and "no tokenizer at" in out and "python -m trainer.tiny.tokenizer" in out
+
+
+def test_print_config_resolves_recipe(capsys):
+    code, out = run_main(capsys, "fit", "--recipe", "target_tiny", "--trainer.max_steps", "7", "--print_config")
+    assert code == 0
+    printed = yaml.safe_load(out)
+    assert printed["trainer"]["max_steps"] == 7
+    assert printed["model"]["class_path"] == "trainer.tiny.pretrain.TargetPretraining"
+    assert printed["model"]["init_args"]["num_hidden_layers"] == 8
+
+
+def test_help_lists_commands_and_recipes(capsys):
+    main([])
+    out = capsys.readouterr().out
+    assert "fit" in out and "validate" in out and "target_tiny" in out

@@ -1,0 +1,124 @@
+"""The ``trainer`` command: ``trainer fit|validate --recipe NAME|PATH [--key.sub value ...]``.
+
+Built on LightningCLI, so the recipe is a LightningCLI config whose schema is the typed signatures of the
+trainer, the LightningModule and the DataModule. Recipes and overrides are checked before anything is built;
+a mistake prints one screen that names the recipe file, the key, and the closest valid key, and exits 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import sys
+import warnings
+from argparse import ArgumentError
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningCLI
+from rich.console import Console
+
+from trainer.errors import UserError
+from trainer.recipes import RecipeError, available_recipes, check_keys, load_recipe, parse_overrides, resolve_recipe
+
+COMMANDS = {
+    "fit": "train a model from a recipe (resume with --ckpt_path last|PATH)",
+    "validate": "run the validation loop of a recipe on a checkpoint (--ckpt_path PATH)",
+}
+
+USAGE = """usage: trainer COMMAND --recipe NAME|PATH [--key.sub VALUE ...] [--print_config]
+
+commands:
+{commands}
+
+A bare recipe name is looked up in ./recipes and in the package's recipes/ (.yaml optional).
+Overrides use the recipe's dotted keys: --trainer.max_steps 20 --model.lr 1e-3 --data.batch_size 4.
+recipes: {recipes}
+"""
+
+
+class TrainerCLI(LightningCLI):
+    """LightningCLI whose parse step first checks the recipe's keys and rewrites jsonargparse's errors."""
+
+    def __init__(self, command: str, recipe_path: Path, recipe: dict[str, Any], args: list[str]) -> None:
+        self._command = command
+        self._recipe_path = recipe_path
+        self._recipe = recipe
+        self._overrides = parse_overrides(args[3:])
+        super().__init__(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=args,
+            parser_kwargs={"exit_on_error": False},
+            save_config_kwargs={"overwrite": True},
+        )
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        sub = self._subcommand_parsers[self._command]
+        keys = {a.dest for a in sub._actions if isinstance(a.dest, str)}
+        check_keys(self._recipe, self._overrides, self._recipe_path, keys)
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as e:
+            raise RecipeError(explain_parse_error(str(e), self._recipe_path)) from None
+
+
+def explain_parse_error(message: str, recipe_path: Path) -> str:
+    """jsonargparse's nested union report, reduced to the offending dotted key and the expectation."""
+    keys = re.findall(r'Parser key "([^"]+)"', message)
+    expected = [ln.strip() for ln in message.splitlines() if ln.strip().startswith(("Expected a", "Option", "Not"))]
+    if keys and expected:
+        return f"invalid value for '{'.'.join(keys)}' (recipe {recipe_path}): {expected[0]}"
+    head = "\n".join(message.splitlines()[:8])
+    return f"invalid recipe {recipe_path}:\n{head}"
+
+
+def _split_recipe_arg(rest: list[str]) -> tuple[str | None, list[str]]:
+    for i, arg in enumerate(rest):
+        if arg == "--recipe":
+            if i + 1 >= len(rest):
+                raise RecipeError("--recipe needs a recipe name or path")
+            return rest[i + 1], rest[:i] + rest[i + 2 :]
+        if arg.startswith("--recipe="):
+            return arg.split("=", 1)[1], rest[:i] + rest[i + 1 :]
+    return None, rest
+
+
+def _usage() -> str:
+    commands = "\n".join(f"  {name:<10} {text}" for name, text in COMMANDS.items())
+    return USAGE.format(commands=commands, recipes=", ".join(available_recipes()) or "(none)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The recipe is passed to LightningCLI as `args`; its warning about also seeing sys.argv does not apply.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+    err = Console(stderr=True, highlight=False)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return
+    command, rest = argv[0], argv[1:]
+    try:
+        if command not in COMMANDS:
+            close = difflib.get_close_matches(command, COMMANDS, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise UserError(f"unknown command '{command}'.{hint} Commands: {', '.join(COMMANDS)}")
+        recipe_name, rest = _split_recipe_arg(rest)
+        if recipe_name is None:
+            if "-h" in rest or "--help" in rest:
+                LightningCLI(
+                    LightningModule,
+                    LightningDataModule,
+                    subclass_mode_model=True,
+                    subclass_mode_data=True,
+                    args=[command, "--help"],
+                )
+            raise UserError(f"trainer {command} needs --recipe NAME|PATH\n\n{_usage()}")
+        recipe_path = resolve_recipe(recipe_name)
+        TrainerCLI(command, recipe_path, load_recipe(recipe_path), [command, "--config", str(recipe_path), *rest])
+    except UserError as e:
+        err.print(f"[bold red]trainer {command}:[/] {e}", markup=True, soft_wrap=True)
+        sys.exit(2)

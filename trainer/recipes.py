@@ -1,0 +1,189 @@
+"""Recipes: finding them by name, and checking their keys before anything heavy is built.
+
+A recipe is a LightningCLI config: ``trainer``, ``model`` / ``data`` as ``class_path`` + ``init_args``, and
+the other top-level keys of the subcommand. The typed signatures of those classes are the only schema; this
+module reads them to name a wrong key, where it is (recipe file or command line) and the closest valid key,
+so that a typo fails in milliseconds with one screen of text instead of after a model load.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainer.errors import UserError
+
+PACKAGE_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+class RecipeError(UserError):
+    """A recipe or override that cannot run; the message is complete and meant for the user."""
+
+
+def available_recipes(dirs: Iterable[Path] | None = None) -> list[str]:
+    names: set[str] = set()
+    for d in dirs or _recipe_dirs():
+        names.update(p.stem for p in d.glob("*.yaml"))
+    return sorted(names)
+
+
+def _recipe_dirs() -> list[Path]:
+    dirs = [Path.cwd() / "recipes", PACKAGE_RECIPES]
+    return [d for i, d in enumerate(dirs) if d.is_dir() and d.resolve() not in {x.resolve() for x in dirs[:i]}]
+
+
+def resolve_recipe(name: str) -> Path:
+    """A path as given (``.yaml`` optional), else a bare name in ``./recipes`` or the package's ``recipes/``."""
+    candidates = [Path(name), Path(f"{name}.yaml")]
+    if "/" not in name:
+        for d in _recipe_dirs():
+            candidates += [d / name, d / f"{name}.yaml"]
+    for path in candidates:
+        if path.is_file():
+            return Path(os.path.relpath(path)) if path.resolve().is_relative_to(Path.cwd()) else path
+    known = available_recipes()
+    close = difflib.get_close_matches(Path(name).stem, known, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    raise RecipeError(f"recipe '{name}' not found.{hint}\nAvailable recipes: {', '.join(known) or '(none)'}")
+
+
+def load_recipe(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise RecipeError(f"recipe {path} is not valid YAML:\n{e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {path} must be a mapping of keys (trainer, model, data, ...), not {type(data)}")
+    return data
+
+
+@dataclass(frozen=True)
+class Override:
+    key: str
+    value: str | None
+
+
+def parse_overrides(args: list[str]) -> list[Override]:
+    """``--a.b value`` / ``--a.b=value`` pairs; a flag followed by another flag or nothing has no value."""
+    out: list[Override] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise RecipeError(f"unexpected argument '{arg}': overrides look like --trainer.max_steps 20")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            out.append(Override(key, value))
+            i += 1
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out.append(Override(arg[2:], args[i + 1]))
+            i += 2
+        else:
+            out.append(Override(arg[2:], None))
+            i += 1
+    return out
+
+
+def _class_params(class_path: str) -> tuple[list[str], bool] | None:
+    """Init parameter names of ``class_path`` and whether it takes ``**kwargs``; None if it cannot import."""
+    module_name, _, attr = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"]
+    names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return names, any(p.kind == p.VAR_KEYWORD for p in params)
+
+
+def _unknown(key: str, valid: Iterable[str], where: str, recipe: Path, full_key: str) -> RecipeError:
+    valid = sorted(set(valid))
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    prefix = full_key[: -len(key)]
+    if close:
+        hint = f"did you mean: {prefix}{close[0]}"
+    else:
+        hint = f"valid keys under '{prefix.rstrip('.') or '(top level)'}': {', '.join(valid)}"
+    return RecipeError(f"unknown key '{full_key}' {where} (recipe {recipe})\n  {hint}")
+
+
+def check_keys(recipe: dict[str, Any], overrides: list[Override], recipe_path: Path, parser_keys: set[str]) -> None:
+    """Raise RecipeError naming the first key of the recipe or the overrides that the schema does not know.
+
+    ``parser_keys`` are the dotted destinations of the subcommand's parser (``trainer.max_steps``,
+    ``seed_everything``, ``model``, ...). ``model`` / ``data`` subtrees are checked against the signature of
+    their ``class_path``; an override may drop ``init_args`` (``--model.hidden_size`` means
+    ``--model.init_args.hidden_size``), as LightningCLI allows.
+    """
+    parser_keys = {k for k in parser_keys if k != "help" and not k.endswith(".help")}
+    top_level = {k.split(".")[0] for k in parser_keys}
+    class_paths = {
+        group: str(recipe[group]["class_path"])
+        for group in ("model", "data")
+        if isinstance(recipe.get(group), dict) and "class_path" in recipe[group]
+    }
+    for ov in overrides:
+        for group in ("model", "data"):
+            if ov.key == f"{group}.class_path" and ov.value:
+                class_paths[group] = ov.value
+
+    def check(key: str, where: str) -> None:
+        parts = key.split(".")
+        head = parts[0]
+        if head not in top_level:
+            raise _unknown(head, top_level, where, recipe_path, head)
+        if head in class_paths and len(parts) > 1:
+            rest = parts[2:] if parts[1] == "init_args" else parts[1:]
+            if parts[1] in ("class_path", "dict_kwargs") or not rest:
+                return
+            params = _class_params(class_paths[head])
+            if params is None:
+                raise RecipeError(f"{head}.class_path '{class_paths[head]}' cannot be imported (recipe {recipe_path})")
+            names, takes_kwargs = params
+            if rest[0] not in names and not takes_kwargs:
+                full = ".".join(parts[: len(parts) - len(rest) + 1])
+                raise _unknown(rest[0], names, where, recipe_path, full)
+            return
+        if key in parser_keys or len(parts) == 1:
+            return
+        # A nested key is valid when some prefix of it is a parser destination holding an object.
+        for n in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:n])
+            if prefix in parser_keys and not any(k.startswith(prefix + ".") for k in parser_keys):
+                return
+        group_keys = [k[len(head) + 1 :] for k in parser_keys if k.startswith(head + ".")]
+        raise _unknown(".".join(parts[1:]), group_keys, where, recipe_path, key)
+
+    for key in _flatten(recipe, class_paths):
+        check(key, "in the recipe file")
+    for ov in overrides:
+        if ov.key in ("print_config", "config"):
+            continue
+        check(ov.key, f"in the override --{ov.key}")
+
+
+def _flatten(tree: dict[str, Any], class_paths: dict[str, str]) -> list[str]:
+    """Dotted keys of the recipe; ``model``/``data`` descend one level into ``init_args`` only."""
+    keys: list[str] = []
+    for key, value in tree.items():
+        if key in class_paths and isinstance(value, dict):
+            for sub, subval in value.items():
+                if sub == "init_args" and isinstance(subval, dict):
+                    keys += [f"{key}.init_args.{arg}" for arg in subval]
+                else:
+                    keys.append(f"{key}.{sub}")
+        elif isinstance(value, dict) and "class_path" not in value and key == "trainer":
+            keys += [f"{key}.{sub}" for sub in value]
+        else:
+            keys.append(key)
+    return keys

@@ -1,0 +1,140 @@
+"""The frozen target model: one forward gives the hidden states of chosen layers and the logits.
+
+Every drafter trains against this interface. Layer ids follow the HF convention: layer id ``l`` is the output
+of decoder layer ``l`` (0-based), i.e. ``hidden_states[l + 1]`` of an HF forward with
+``output_hidden_states=True`` (``hidden_states[0]`` is the embedding output). The states are captured with
+forward hooks on the chosen layers only, so a 36-layer target does not materialise 37 copies of its
+activations. For the last layer the hook sees the decoder layer's own output, before the final norm.
+
+On CPU with the shipped tiny target::
+
+    python -c "from trainer.target import Target; t = Target.from_pretrained('checkpoints/target_tiny', [1, 4]); \\
+        import torch; o = t(torch.tensor([[1, 2, 3]])); print(o.features.shape, o.logits.shape)"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from trainer.errors import UserError
+
+
+@dataclass
+class TargetOutput:
+    # One tensor per requested layer id, in the requested order. Shape: (B, T, H)
+    hidden_states: list[torch.Tensor]
+    # Shape: (B, T, V), or None when logits were not asked for
+    logits: torch.Tensor | None
+
+    @property
+    def features(self) -> torch.Tensor:
+        """The drafter's input feature: requested layers concatenated. Shape: (B, T, n_layers * H)"""
+        return torch.cat(self.hidden_states, dim=-1)
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, dtype, None)
+    if not isinstance(value, torch.dtype):
+        raise UserError(f"unknown dtype '{dtype}'; use e.g. float32, bfloat16, float16")
+    return value
+
+
+def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    """The decoder layer stack of an HF causal LM (``model.model.layers`` for Llama/Qwen-style models)."""
+    base = getattr(model, model.base_model_prefix, model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise UserError(f"{type(model).__name__} has no decoder stack at .{model.base_model_prefix}.layers")
+    return layers
+
+
+class Target(nn.Module):
+    """A frozen HF causal LM that returns the hidden states of ``layer_ids`` and the logits in one forward."""
+
+    def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int]) -> None:
+        super().__init__()
+        self.model = model.eval().requires_grad_(False)
+        layers = decoder_layers(model)
+        self.num_layers = len(layers)
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise UserError(f"target layer ids {bad} out of range: the target has layers 0..{self.num_layers - 1}")
+        self.layer_ids = list(layer_ids)
+        self._captured: dict[int, torch.Tensor] = {}
+        for i in sorted(set(self.layer_ids)):
+            layers[i].register_forward_hook(self._capture_hook(i))
+
+    def train(self, mode: bool = True) -> Target:
+        # A parent module's .train() must not switch the frozen target out of eval mode.
+        return super().train(False)
+
+    def _capture_hook(self, layer_id: int):
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        layer_ids: Sequence[int],
+        dtype: str | torch.dtype = "float32",
+        attn_implementation: str = "sdpa",
+        device: str | torch.device | None = None,
+    ) -> Target:
+        """Load an HF causal LM by hub id or local path, frozen, in ``dtype``."""
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                name_or_path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
+            )
+        except (OSError, ValueError) as e:
+            where = "local directory" if Path(name_or_path).exists() else "local path nor a reachable hub id"
+            raise UserError(f"cannot load target '{name_or_path}' ({where}): {e}") from None
+        if device is not None:
+            model.to(device)
+        return cls(model, layer_ids)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        with_logits: bool = True,
+    ) -> TargetOutput:
+        """Shape: input_ids (B, T) → hidden states [(B, T, H)] × len(layer_ids), logits (B, T, V)."""
+        self._captured.clear()
+        try:
+            if with_logits:
+                logits = self.model(
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                ).logits
+            else:
+                base = getattr(self.model, self.model.base_model_prefix)
+                base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+                logits = None
+            hidden = [self._captured[i] for i in self.layer_ids]
+        finally:
+            self._captured.clear()
+        return TargetOutput(hidden_states=hidden, logits=logits)

@@ -1,0 +1,268 @@
+"""Pretraining of the embedded tiny target: a transformers ``Qwen3ForCausalLM`` on the stdlib corpus.
+
+The recipe ``recipes/target_tiny.yaml`` wires these two classes; a 20-step smoke run on CPU::
+
+    trainer fit --recipe target_tiny --trainer.max_steps 20 --data.max_files 40
+
+At the end of ``fit`` the model and its tokenizer are written as an HF directory (``<run>/hf`` unless
+``export_dir`` says otherwise) that ``AutoModelForCausalLM.from_pretrained`` loads offline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Literal
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
+
+from trainer.errors import UserError
+from trainer.paths import project_path
+from trainer.tiny.corpus import Split, list_modules, read_module
+
+
+class TokenChunks(Dataset):
+    """Non-overlapping windows of ``seq_len + 1`` tokens over one token stream (inputs and shifted labels)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.n = (len(tokens) - 1) // seq_len
+        if self.n == 0:
+            raise ValueError(f"token stream of {len(tokens)} tokens is shorter than one window of {seq_len + 1}")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start = i * self.seq_len
+        return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+
+
+class StdlibCorpus(L.LightningDataModule):
+    """The stdlib source, tokenized once per (tokenizer, interpreter, slice) and cached as uint16 arrays.
+
+    Modules are concatenated in name order, each followed by the end-of-text token, then cut into windows.
+
+    Args:
+        tokenizer: HF tokenizer directory (the tiny target's own).
+        seq_len: training context length in tokens.
+        batch_size: windows per optimiser step.
+        max_files: take only the first ``max_files`` modules of each split (a small slice for smoke runs).
+        cache_dir: where token arrays are cached.
+        num_workers: DataLoader workers.
+    """
+
+    def __init__(
+        self,
+        tokenizer: str = "checkpoints/target_tiny",
+        seq_len: int = 512,
+        batch_size: int = 16,
+        max_files: int | None = None,
+        cache_dir: str = "data/cache",
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.max_files = max_files
+        self.cache_dir = Path(cache_dir)
+        self.num_workers = num_workers
+        self.tokenizer_path = project_path(tokenizer)
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.splits: dict[str, np.ndarray] = {}
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.tokenizer is not None:
+            return
+        if not (self.tokenizer_path / "tokenizer.json").is_file():
+            raise UserError(
+                f"no tokenizer at '{self.tokenizer_path}' (data.tokenizer); build it with: "
+                f"python -m trainer.tiny.tokenizer --out {self.tokenizer_path}"
+            )
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        if len(self.tokenizer) > np.iinfo(np.uint16).max:
+            raise UserError(f"tokenizer {self.tokenizer_path} has {len(self.tokenizer)} tokens; the cache holds 65535")
+
+    def _cache_path(self, split: Split) -> Path:
+        tok_hash = hashlib.sha1(Path(self.tokenizer_path, "tokenizer.json").read_bytes()).hexdigest()[:12]
+        py = "py" + ".".join(map(str, sys.version_info[:3]))
+        limit = "all" if self.max_files is None else f"first{self.max_files}"
+        return self.cache_dir / f"stdlib-{split}-{py}-{limit}-{tok_hash}.npy"
+
+    def tokens(self, split: Split) -> np.ndarray:
+        """The split's token stream, from the cache or tokenized now (then cached atomically)."""
+        if split in self.splits:
+            return self.splits[split]
+        self.setup()
+        path = self._cache_path(split)
+        if path.exists():
+            arr = np.load(path, mmap_mode="r")
+        else:
+            modules = list_modules(split)[: self.max_files]
+            texts = [t for t in map(read_module, modules) if t]
+            eos = self.tokenizer.eos_token_id
+            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            arr = np.fromiter((tok for doc in ids for tok in (*doc, eos)), dtype=np.uint16)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
+            np.save(tmp, arr)
+            tmp.replace(path)
+        self.splits[split] = arr
+        return arr
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            TokenChunks(self.tokens("train"), self.seq_len),
+            batch_size=self.batch_size,
+            shuffle=True,
+            drop_last=True,
+            num_workers=self.num_workers,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(
+            TokenChunks(self.tokens("validation"), self.seq_len),
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+        )
+
+
+class TargetPretraining(L.LightningModule):
+    """Next-token pretraining of a ``Qwen3ForCausalLM`` whose vocabulary is the datamodule's tokenizer.
+
+    Args:
+        hidden_size: model width.
+        num_hidden_layers: decoder layers (at least 8, so that drafter layer selection is meaningful).
+        num_attention_heads: query heads.
+        num_key_value_heads: key/value heads (grouped-query attention).
+        head_dim: per-head width.
+        intermediate_size: SwiGLU width.
+        max_position_embeddings: longest context the exported config advertises.
+        rope_theta: RoPE base.
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay on matrices (not on norms).
+        warmup_steps: linear warm-up steps.
+        min_lr_ratio: cosine decay floor as a fraction of ``lr``.
+        compile: ``torch.compile`` the model in place (pays off on runs longer than a few minutes).
+        export_dir: HF directory written at the end of ``fit``; default ``<run log dir>/hf``.
+        export_dtype: dtype of the exported weights.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int = 256,
+        num_hidden_layers: int = 8,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int = 2,
+        head_dim: int = 64,
+        intermediate_size: int = 768,
+        max_position_embeddings: int = 2048,
+        rope_theta: float = 10000.0,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 100,
+        min_lr_ratio: float = 0.1,
+        compile: bool = False,
+        export_dir: str | None = None,
+        export_dtype: Literal["float32", "bfloat16"] = "bfloat16",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model: Qwen3ForCausalLM | None = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        tokenizer = self._tokenizer()
+        hp = self.hparams
+        config = Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=hp.hidden_size,
+            num_hidden_layers=hp.num_hidden_layers,
+            num_attention_heads=hp.num_attention_heads,
+            num_key_value_heads=hp.num_key_value_heads,
+            head_dim=hp.head_dim,
+            intermediate_size=hp.intermediate_size,
+            max_position_embeddings=hp.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": hp.rope_theta},
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            attn_implementation="sdpa",
+        )
+        self.model = Qwen3ForCausalLM(config)
+        if hp.compile:
+            self.model.compile()
+
+    def _tokenizer(self) -> PreTrainedTokenizerBase:
+        datamodule = self.trainer.datamodule
+        if not isinstance(datamodule, StdlibCorpus):
+            raise TypeError("TargetPretraining takes its vocabulary from a StdlibCorpus datamodule")
+        return datamodule.tokenizer
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        # Shape: batch (B, T + 1) → inputs (B, T), labels (B, T)
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        logits = self.model(input_ids=inputs).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/tokens", float(batch[:, 1:].numel()), reduce_fx="sum", on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val/loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self):
+        decay = [p for p in self.model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.lr,
+            betas=(0.9, 0.95),
+        )
+        total = max(1, self.trainer.estimated_stepping_batches)
+        warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
+
+        def lr_factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_fit_end(self) -> None:
+        if self.trainer.is_global_zero:
+            out = Path(self.hparams.export_dir or Path(self.trainer.log_dir or ".") / "hf")
+            export_hf(self.model, self._tokenizer(), out, getattr(torch, self.hparams.export_dtype))
+
+
+def export_hf(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerBase, out: Path, dtype: torch.dtype) -> None:
+    """Write model and tokenizer as an HF directory; a crash never leaves a half-written ``out``."""
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    original_dtype = next(model.parameters()).dtype
+    model.to(dtype)
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        model.to(original_dtype)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
