@@ -25,9 +25,11 @@ from trainer.recipes import RecipeError, available_recipes, check_keys, load_rec
 COMMANDS = {
     "fit": "train a model from a recipe (resume with --ckpt_path last|PATH)",
     "validate": "run the validation loop of a recipe on a checkpoint (--ckpt_path PATH)",
+    "data": "data jobs: `trainer data regenerate` (target-written responses), `trainer data cache` (features)",
 }
 
-USAGE = """usage: trainer COMMAND --recipe NAME|PATH [--key.sub VALUE ...] [--print_config]
+USAGE = """usage: trainer fit|validate --recipe NAME|PATH [--key.sub VALUE ...] [--print_config]
+       trainer data regenerate|cache --help
 
 commands:
 {commands}
@@ -106,6 +108,11 @@ def main(argv: list[str] | None = None) -> None:
             close = difflib.get_close_matches(command, COMMANDS, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
             raise UserError(f"unknown command '{command}'.{hint} Commands: {', '.join(COMMANDS)}")
+        if command == "data":
+            from trainer.data.cli import main as data_main
+
+            data_main(rest)
+            return
         recipe_name, rest = _split_recipe_arg(rest)
         if recipe_name is None:
             if "-h" in rest or "--help" in rest:

@@ -1,0 +1,238 @@
+"""Response regeneration against a config-built 2-layer Qwen3 that uses the project tokenizer and chat template."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from trainer.data.regenerate import generate_batch, pick_device, read_resume_state, regenerate, stop_tokens
+from trainer.errors import UserError
+
+MAX_NEW = 12
+
+CONVERSATIONS = [
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]},
+    {
+        "messages": [
+            {"role": "system", "content": "You write Python."},
+            {"role": "user", "content": "def add(a, b):"},
+            {"role": "assistant", "content": "    return a + b", "reasoning_content": "trivial"},
+            {"role": "user", "content": "and subtraction?"},
+            {"role": "assistant", "content": "def sub(a, b):\n    return a - b"},
+        ]
+    },
+    {"conversations": [{"from": "human", "value": "import os"}, {"from": "gpt", "value": "os.path.join"}]},
+    {"not a conversation": True},
+    {
+        "messages": [
+            {"role": "user", "content": "one"},
+            {"role": "assistant", "content": "1"},
+            {"role": "user", "content": "two"},
+            {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "three"},
+            {"role": "assistant", "content": "3"},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "a longer question about the standard library and its json module " * 3},
+            {"role": "assistant", "content": "json.dumps"},
+            {"role": "user", "content": "a trailing user turn stays as it is"},
+        ]
+    },
+]
+
+
+def run(model_dir: Path, data: Path, out: Path, **kw) -> bytes:
+    regenerate(str(model_dir), [str(data)], str(out), max_new_tokens=MAX_NEW, **kw)
+    return out.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "checkpoints" / "target_tiny")
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        attn_implementation="sdpa",
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    # A random model almost never picks one of 8192 tokens; a larger end-of-turn row makes some replies stop on
+    # the marker and others run to max_new_tokens, so both endings are exercised.
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.convert_tokens_to_ids("<|im_end|>")] *= 5.0
+    path = tmp_path_factory.mktemp("target")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def greedy(model_dir: Path, chats: Path, tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """The uninterrupted greedy output at batch size 2."""
+    return run(model_dir, chats, tmp_path_factory.mktemp("greedy") / "regen.jsonl", batch_size=2)
+
+
+def records(raw: bytes) -> list[dict]:
+    return [json.loads(line) for line in raw.decode().splitlines()]
+
+
+def test_greedy_matches_generate_turn_by_turn(model_dir: Path, chats: Path, greedy: bytes) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(pick_device()).eval()
+    stops = stop_tokens(tokenizer)
+    assert stops.ids == [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
+
+    def reference(history: list[dict]) -> tuple[list[int], bool]:
+        text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
+            eos_token_id=stops.ids, pad_token_id=stops.pad_id,
+        )[0, ids.shape[1] :].tolist()  # fmt: skip
+        cut = next((i for i, t in enumerate(out) if t in stops.ids), None)
+        return (out, False) if cut is None else (out[:cut], True)
+
+    out = records(greedy)
+    inputs = [c for c in CONVERSATIONS if "not a conversation" not in c]
+    assert [r["id"] for r in out] == [f"{chats}:{n}" for n in (1, 2, 3, 5, 6)]
+    assert all(r["source"] == r["id"] for r in out)
+
+    # First assistant turns, all in one left-padded batch: the same tokens as one generate call per prompt.
+    first_prompts, first_refs = [], []
+    for record in out:
+        first = next(i for i, m in enumerate(record["messages"]) if m["role"] == "assistant")
+        history = record["messages"][:first]
+        text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        first_prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        first_refs.append(reference(history))
+    assert generate_batch(model, first_prompts, stops, MAX_NEW) == first_refs
+
+    endings = []
+    for record, source in zip(out, inputs, strict=True):
+        original = source.get("messages") or [
+            {"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]}
+            for t in source["conversations"]
+        ]
+        messages = record["messages"]
+        assert [m["role"] for m in messages] == [m["role"] for m in original]
+        for j, (new, old) in enumerate(zip(messages, original, strict=True)):
+            if old["role"] != "assistant":
+                assert new == old
+                continue
+            # Every turn continues the history with the regenerated earlier replies in it.
+            ids, stopped = reference(messages[:j])
+            endings.append(stopped)
+            assert set(new) == {"role", "content"}
+            assert new["content"] == tokenizer.decode(ids, skip_special_tokens=False)
+            assert "<|im_end|>" not in new["content"]
+            assert new["content"] != old["content"]
+    assert any(endings) and not all(endings), "the test model should both stop on the marker and hit the cap"
+
+
+def test_batch_size_does_not_change_greedy_output(model_dir: Path, chats: Path, greedy: bytes, tmp_path: Path) -> None:
+    assert run(model_dir, chats, tmp_path / "bs1.jsonl", batch_size=1) == greedy
+    assert run(model_dir, chats, tmp_path / "bs3.jsonl", batch_size=3) == greedy
+
+
+def test_resume_after_torn_write(model_dir: Path, chats: Path, greedy: bytes, tmp_path: Path) -> None:
+    lines = greedy.splitlines(keepends=True)
+    out = tmp_path / "regen.jsonl"
+    out.write_bytes(b"".join(lines[:2]) + lines[2][: len(lines[2]) // 2])
+    assert run(model_dir, chats, out, batch_size=3) == greedy
+    ids = [r["id"] for r in records(out.read_bytes())]
+    assert len(ids) == len(set(ids)) == 5
+
+    # A last line that ends in a newline but does not parse is dropped as well.
+    out.write_bytes(lines[0] + b'{"id": "chats\n')
+    assert read_resume_state(out).done == {records(lines[0])[0]["id"]}
+    assert out.read_bytes() == lines[0]
+    assert run(model_dir, chats, out, batch_size=2) == greedy
+
+    # Everything done: nothing is generated and the file is unchanged.
+    assert run(model_dir, chats, out, batch_size=2) == greedy
+
+    # Damage before the last line is not ours to cut away.
+    out.write_bytes(lines[0] + b"garbage\n" + lines[1])
+    with pytest.raises(UserError, match="line 2"):
+        run(model_dir, chats, out)
+
+
+KILLED_RUN = """
+import sys, time
+import trainer.data.regenerate as r
+generate = r.generate_batch
+
+def slow(*args, **kwargs):
+    time.sleep(0.3)  # leaves time to kill the run between its writes
+    return generate(*args, **kwargs)
+
+r.generate_batch = slow
+r.regenerate(sys.argv[1], [sys.argv[2]], sys.argv[3], max_new_tokens=int(sys.argv[4]), batch_size=1)
+"""
+
+
+def test_resume_after_sigkill(model_dir: Path, chats: Path, greedy: bytes, tmp_path: Path) -> None:
+    out = tmp_path / "regen.jsonl"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-c", KILLED_RUN, str(model_dir), str(chats), str(out), str(MAX_NEW)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out.exists() and out.read_bytes().count(b"\n") >= 2):
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline, "the run wrote nothing in 120 s"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert 2 <= out.read_bytes().count(b"\n") < 5
+    assert run(model_dir, chats, out, batch_size=2) == greedy
+
+
+def test_sampling_is_seeded(model_dir: Path, chats: Path, greedy: bytes, tmp_path: Path) -> None:
+    sampled = run(model_dir, chats, tmp_path / "a.jsonl", temperature=1.0, top_p=0.9, seed=7, batch_size=2)
+    # Each turn samples from its own stream, so neither the batch nor an interruption changes the draws.
+    assert run(model_dir, chats, tmp_path / "b.jsonl", temperature=1.0, top_p=0.9, seed=7, batch_size=3) == sampled
+    resumed = tmp_path / "c.jsonl"
+    resumed.write_bytes(b"".join(sampled.splitlines(keepends=True)[:3]))
+    assert run(model_dir, chats, resumed, temperature=1.0, top_p=0.9, seed=7, batch_size=1) == sampled
+
+    assert sampled != greedy
+    assert any(a != b for a, b in zip(records(sampled), records(greedy), strict=True))
+    assert run(model_dir, chats, tmp_path / "d.jsonl", temperature=1.0, top_p=0.9, seed=8, batch_size=2) != sampled
+
+
+def test_user_errors(model_dir: Path, chats: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "no_such_target"
+    with pytest.raises(UserError, match="no_such_target"):
+        regenerate(str(missing), [str(chats)], str(tmp_path / "out.jsonl"))
+    with pytest.raises(UserError, match="no_such_data"):
+        regenerate(str(model_dir), [str(tmp_path / "no_such_data.jsonl")], str(tmp_path / "out.jsonl"))
+    with pytest.raises(UserError, match="temperature"):
+        regenerate(str(model_dir), [str(chats)], str(tmp_path / "out.jsonl"), temperature=-1.0)
+    with pytest.raises(UserError, match="inside the input"):
+        regenerate(str(model_dir), [str(chats.parent)], str(chats.parent / "regen.jsonl"))

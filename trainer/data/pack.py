@@ -1,0 +1,82 @@
+"""Packing short samples into rows of ``max_length`` without attention across samples.
+
+A packed row carries ``doc_ids`` (1, 2, ... per sample; 0 marks padding) and ``position_ids`` that restart
+at 0 for every sample. ``packed_attention_mask`` turns ``doc_ids`` into the 4-D additive mask that HF models
+take (``0`` where allowed, ``finfo.min`` elsewhere): causal and within one sample. A boolean mask would be
+silently wrong with eager attention, which adds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from trainer.data.render import Rendered
+from trainer.errors import UserError
+
+
+@dataclass
+class PackedRow:
+    # Shape: (T,) each, T <= max_length
+    input_ids: list[int]
+    loss_mask: list[int]
+    position_ids: list[int]
+    doc_ids: list[int]
+
+
+def truncate(sample: Rendered, max_length: int) -> Rendered:
+    return Rendered(sample.input_ids[:max_length], sample.loss_mask[:max_length], sample.text)
+
+
+def pack(samples: Iterable[Rendered], max_length: int, packing: bool = True) -> list[PackedRow]:
+    """Greedy in-order packing: a sample joins the current row when it fits, else starts a new row.
+
+    Samples longer than ``max_length`` must be truncated before; a sample with no loss-mask token is dropped
+    (it would only cost compute). Without ``packing`` every sample is its own row.
+    """
+    rows: list[PackedRow] = []
+    current: PackedRow | None = None
+    for sample in samples:
+        n = len(sample.input_ids)
+        if n > max_length:
+            raise UserError(f"sample of {n} tokens exceeds max_length {max_length}; truncate it first")
+        if n < 2 or not any(sample.loss_mask[1:]):
+            continue
+        if current is None or not packing or len(current.input_ids) + n > max_length:
+            current = PackedRow([], [], [], [])
+            rows.append(current)
+        doc = (current.doc_ids[-1] if current.doc_ids else 0) + 1
+        current.input_ids += sample.input_ids
+        current.loss_mask += sample.loss_mask
+        current.position_ids += list(range(n))
+        current.doc_ids += [doc] * n
+    return rows
+
+
+def collate(rows: Sequence[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pads rows of ``input_ids``/``loss_mask``/``position_ids``/``doc_ids`` to the longest one."""
+    width = max(len(r["input_ids"]) for r in rows)
+
+    def padded(key: str, fill: int) -> torch.Tensor:
+        return torch.tensor([list(r[key]) + [fill] * (width - len(r[key])) for r in rows], dtype=torch.long)
+
+    return {
+        "input_ids": padded("input_ids", pad_id),
+        "loss_mask": padded("loss_mask", 0),
+        "position_ids": padded("position_ids", 0),
+        "doc_ids": padded("doc_ids", 0),
+    }
+
+
+def packed_attention_mask(doc_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Shape: doc_ids (B, T) → additive mask (B, 1, T, T). Causal within a sample; padding sees itself only."""
+    t = doc_ids.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    allowed = same & causal & (doc_ids[:, :, None] > 0)
+    allowed |= torch.eye(t, dtype=torch.bool, device=doc_ids.device)  # no all-masked row, so no NaN
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]

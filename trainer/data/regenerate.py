@@ -1,0 +1,415 @@
+"""Response regeneration: replace the assistant turns of chat conversations with the target's own replies.
+
+A drafter is judged by how often the target accepts its guesses, so it should learn what the target itself
+says rather than what some other model (or a human) wrote in a public chat data set. For every conversation
+the assistant turns are regenerated in order, each one conditioned on the conversation so far *with the
+earlier turns already regenerated*; user, system and tool turns are kept as they are.
+
+- The prompt of a turn is the tokenizer's chat template with the generation prompt, and a turn ends at the
+  template's end-of-turn marker (``<|im_end|>`` for Qwen3, ``<|eot_id|>`` for Llama 3) or the end-of-text
+  token; neither is stored in the content.
+- ``batch_size`` conversations generate together (left padded); their turns advance together.
+- Greedy at temperature 0, otherwise sampled with ``temperature`` / ``top_p``. Every conversation's turn draws
+  from its own random stream seeded by (``seed``, id, turn), so the samples do not depend on the batch a
+  conversation lands in, and a resumed run samples what an uninterrupted one would have.
+- Only these arguments steer decoding: the target's own ``generation_config.json`` (hub sampling defaults,
+  repetition penalties) is deliberately ignored, so the command line says everything about how data was made.
+- The output is JSON Lines, one ``{"id", "source", "messages"}`` per input conversation in input order; ``id``
+  is the input's ``file:line`` (or ``file#row``). Lines are appended and flushed as each batch finishes, so a
+  run killed at any moment is resumed by running the same command again: a torn last line is cut off and
+  conversations already in the output are skipped. Resuming matches ids, so pass ``--data`` spelled the
+  same way.
+
+On CPU with the shipped tiny target::
+
+    trainer data regenerate --target checkpoints/target_tiny --data chats.jsonl --output regen.jsonl \\
+        --max_new_tokens 64
+
+or from Python::
+
+    python -c "from trainer.data.regenerate import regenerate; \\
+        regenerate('checkpoints/target_tiny', ['chats.jsonl'], 'regen.jsonl', max_new_tokens=64)"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from trainer.data.render import turn_end_marker
+from trainer.data.sources import LoadReport, load_chat
+from trainer.errors import UserError
+from trainer.target import resolve_dtype
+
+
+@dataclass
+class Stops:
+    """The token ids that end an assistant turn, and the marker text that must never reach stored content."""
+
+    ids: list[int]
+    marker: str
+    pad_id: int
+
+
+@dataclass
+class ResumeState:
+    """What an existing output file already holds."""
+
+    done: set[str]
+    dropped_partial: bool
+
+
+def pick_device() -> torch.device:
+    """The device regeneration runs on: the first GPU when there is one, otherwise the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
+    """A 63-bit seed for one assistant turn of one conversation, stable across runs, batches and resumes."""
+    digest = hashlib.sha256(f"{seed}\0{conversation_id}\0{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class SeededSampler(LogitsProcessor):
+    """Samples each row from its own generator and leaves only the chosen token finite.
+
+    ``generate`` then runs greedy, so the argmax picks the sampled token. Drawing per row (instead of
+    ``generate``'s one global stream) is what keeps a conversation's sample independent of its batch.
+    """
+
+    def __init__(self, seeds: Sequence[int], temperature: float, top_p: float) -> None:
+        self.seeds = list(seeds)
+        self.temperature = temperature
+        self.top_p = top_p
+        self.generators: list[torch.Generator] | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.generators is None:
+            self.generators = [torch.Generator(device=scores.device).manual_seed(s) for s in self.seeds]
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # Keep the smallest head of the distribution whose mass reaches top_p (always at least one token).
+            outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= self.top_p
+            sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        chosen = torch.stack(
+            [torch.multinomial(p, 1, generator=g)[0] for p, g in zip(probs, self.generators, strict=True)]
+        )
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter(-1, chosen[:, None], 0.0)
+
+
+def stop_tokens(tokenizer: PreTrainedTokenizerBase) -> Stops:
+    """The end-of-turn marker of the chat template as a token id, plus the end-of-text token."""
+    if not tokenizer.chat_template:
+        raise UserError(f"the tokenizer of the target ({tokenizer.name_or_path}) has no chat template")
+    marker = turn_end_marker(tokenizer)
+    marker_ids = tokenizer.encode(marker, add_special_tokens=False)
+    if len(marker_ids) != 1:
+        raise UserError(
+            f"the chat template's end-of-turn marker {marker!r} is {len(marker_ids)} tokens, not one special token; "
+            f"generation could not stop on it (tokenizer {tokenizer.name_or_path})"
+        )
+    ids = [marker_ids[0]]
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ids[-1]
+    return Stops(ids=ids, marker=marker, pad_id=pad_id)
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, history: Sequence[dict]) -> list[int]:
+    """Token ids of the conversation so far followed by the template's assistant generation prompt."""
+    text = tokenizer.apply_chat_template(list(history), tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@torch.no_grad()
+def generate_batch(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    stops: Stops,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seeds: Sequence[int] | None = None,
+) -> list[tuple[list[int], bool]]:
+    """One reply per prompt: (generated ids without the stop token, whether a stop token ended it).
+
+    Prompts are left padded to a common length; the attention mask hides the padding and ``generate``
+    derives position ids from it, so a prompt's reply does not depend on the others in the batch.
+    """
+    device = model.device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[stops.pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    processors = LogitsProcessorList()
+    if temperature > 0:
+        if seeds is None or len(seeds) != len(prompts):
+            raise ValueError("sampling needs one seed per prompt")
+        processors.append(SeededSampler(seeds, temperature, top_p))
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=stops.ids,
+        pad_token_id=stops.pad_id,
+    )
+    out = model.generate(
+        input_ids=input_ids, attention_mask=mask, generation_config=config, logits_processor=processors
+    )
+    replies = []
+    stop_set = set(stops.ids)
+    for row in out[:, width:].tolist():
+        end = next((i for i, tok in enumerate(row) if tok in stop_set), None)
+        replies.append((row if end is None else row[:end], end is not None))
+    return replies
+
+
+def reply_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], stops: Stops) -> str:
+    """The reply as the model wrote it; cut at a marker spelled out in ordinary tokens, which a later
+    rendering would read as the turn's end."""
+    text = tokenizer.decode(list(ids), skip_special_tokens=False)
+    return text.split(stops.marker, 1)[0]
+
+
+def read_resume_state(output: Path) -> ResumeState:
+    """Ids already in ``output``; a torn or unparsable last line (a kill mid-write) is cut off the file."""
+    if not output.exists():
+        return ResumeState(done=set(), dropped_partial=False)
+    if not output.is_file():
+        raise UserError(f"output {output} exists and is not a file")
+    raw = output.read_bytes()
+    *complete, tail = raw.split(b"\n")  # tail: the bytes after the last newline, a torn write when not empty
+    done: set[str] = set()
+    good_end = 0
+    for lineno, line in enumerate(complete, start=1):
+        if line.strip():
+            conversation_id = _line_id(line)
+            if conversation_id is None:
+                if lineno == len(complete) and not tail:
+                    break  # the last line: a write the kill damaged
+                raise UserError(
+                    f"output {output} line {lineno} is not a regenerated conversation (no JSON object with an "
+                    "'id'); the file was not written by this command or is damaged: move it away or pass another "
+                    "--output"
+                )
+            done.add(conversation_id)
+        good_end += len(line) + 1
+    dropped = good_end < len(raw)
+    if dropped:
+        with output.open("r+b") as f:
+            f.truncate(good_end)
+    return ResumeState(done=done, dropped_partial=dropped)
+
+
+def _line_id(line: bytes) -> str | None:
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if isinstance(record, dict) and isinstance(record.get("id"), str):
+        return record["id"]
+    return None
+
+
+def load_target(target: str, dtype: str, device: torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The target model (eval mode, on ``device``) and its tokenizer from the same directory or hub id."""
+    torch_dtype = resolve_dtype(dtype)
+    where = "local directory" if Path(target).exists() else "no such local path, and not a reachable hub id"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load target '{target}' ({where}): {e}") from None
+    # A blank config drops the target's hub sampling defaults; generate_batch passes everything it needs.
+    model.generation_config = GenerationConfig()
+    return model.to(device).eval(), tokenizer
+
+
+def _clean(message: dict[str, Any]) -> dict[str, Any]:
+    # datasets fills a missing optional field (reasoning_content) with None across the column.
+    return {k: v for k, v in message.items() if v is not None}
+
+
+def _regenerate_batch(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    stops: Stops,
+    batch: Sequence[dict[str, Any]],
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    seed: int,
+) -> tuple[list[list[dict[str, Any]]], int]:
+    """The conversations of ``batch`` with every assistant turn regenerated, and how many turns hit the cap."""
+    source = [[_clean(m) for m in row["messages"]] for row in batch]
+    done: list[list[dict[str, Any]]] = [[] for _ in batch]
+    cursor = [0] * len(batch)
+    capped = 0
+    turn = 0
+    while True:
+        waiting = []
+        for i, messages in enumerate(source):
+            # Copy the turns the target does not speak until the next assistant turn.
+            while cursor[i] < len(messages) and messages[cursor[i]]["role"] != "assistant":
+                done[i].append(messages[cursor[i]])
+                cursor[i] += 1
+            if cursor[i] < len(messages):
+                waiting.append(i)
+        if not waiting:
+            return done, capped
+        prompts = [prompt_ids(tokenizer, done[i]) for i in waiting]
+        seeds = [turn_seed(seed, batch[i]["id"], turn) for i in waiting]
+        replies = generate_batch(model, prompts, stops, max_new_tokens, temperature, top_p, seeds)
+        for i, (ids, stopped) in zip(waiting, replies, strict=True):
+            done[i].append({"role": "assistant", "content": reply_text(tokenizer, ids, stops)})
+            cursor[i] += 1
+            capped += not stopped
+        turn += 1
+
+
+def _check_args(temperature: float, top_p: float, max_new_tokens: int, batch_size: int) -> None:
+    if temperature < 0:
+        raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise UserError(f"top_p must be in (0, 1], got {top_p}")
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if batch_size < 1:
+        raise UserError(f"batch_size must be >= 1, got {batch_size}")
+
+
+def _check_output_not_input(output: Path, data: Sequence[str]) -> None:
+    # A resumed run would otherwise read its own output back as input conversations.
+    out = output.resolve()
+    for entry in map(Path, data):
+        path = entry.resolve()
+        if out == path or (path.is_dir() and path in out.parents and out.suffix in {".json", ".jsonl", ".parquet"}):
+            raise UserError(f"output {output} is inside the input data {entry}; write it somewhere else")
+
+
+def regenerate(
+    target: str,
+    data: list[str],
+    output: str,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    max_new_tokens: int = 512,
+    batch_size: int = 8,
+    seed: int = 0,
+    strict: bool = False,
+    dtype: str = "float32",
+) -> None:
+    """Replace every assistant turn of chat conversations with the target model's own reply.
+
+    Turns are regenerated in order, each given the conversation so far with the earlier replies already
+    regenerated. Rerunning the same command after an interruption resumes: conversations already in the
+    output are skipped and a torn last line is cut off.
+
+    Args:
+        target: HF causal LM directory or hub id of the target; its tokenizer and chat template load from the
+            same place.
+        data: Chat data: JSON, JSONL or Parquet files, or directories of them (OpenAI ``messages`` or ShareGPT
+            ``conversations``).
+        output: Output JSONL path, one ``{"id", "source", "messages"}`` per conversation; appended to when it
+            exists (resume).
+        temperature: Sampling temperature; 0 decodes greedily.
+        top_p: Nucleus sampling mass, in (0, 1]; used only when temperature > 0.
+        max_new_tokens: Longest reply per assistant turn, in tokens; longer replies are cut there.
+        batch_size: Conversations generated together.
+        seed: Seed of the sampling streams; the same seed gives the same output.
+        strict: Stop at the first malformed input row instead of skipping it with a report.
+        dtype: Torch dtype of the target (float32, bfloat16, float16).
+    """
+    _check_args(temperature, top_p, max_new_tokens, batch_size)
+    out_path = Path(output)
+    _check_output_not_input(out_path, data)
+    report = LoadReport()
+    rows = load_chat(data, strict=strict, report=report)
+    resume = read_resume_state(out_path)
+    console = Console(stderr=True)
+
+    seen: set[str] = set()
+    pending: list[dict[str, Any]] = []
+    repeated = resumed = 0
+    for row in rows:
+        conversation_id = row["source"]
+        if conversation_id in seen:
+            # The same file named twice (directly and through its directory) must not be generated twice.
+            repeated += 1
+            continue
+        seen.add(conversation_id)
+        if conversation_id in resume.done:
+            resumed += 1
+        else:
+            pending.append({"id": conversation_id, "source": row["source"], "messages": row["messages"]})
+    foreign = len(resume.done - seen)
+    if foreign:
+        console.print(
+            f"[yellow]warning:[/] {foreign} conversations in {escape(str(out_path))} match no input id; "
+            "ids are 'file:line' as the --data paths are spelled, so spell them as in the first run"
+        )
+
+    generated = capped = 0
+    if pending:
+        model, tokenizer = load_target(target, dtype, pick_device())
+        stops = stop_tokens(tokenizer)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+        )
+        description = f"regenerating (resumed {resumed})" if resumed else "regenerating"
+        with (
+            out_path.open("a", encoding="utf-8") as f,
+            Progress(*columns, console=console) as progress,
+        ):
+            task = progress.add_task(description, total=resumed + len(pending), completed=resumed)
+            for start in range(0, len(pending), batch_size):
+                batch = pending[start : start + batch_size]
+                conversations, batch_capped = _regenerate_batch(
+                    model, tokenizer, stops, batch, temperature, top_p, max_new_tokens, seed
+                )
+                for row, messages in zip(batch, conversations, strict=True):
+                    record = {"id": row["id"], "source": row["source"], "messages": messages}
+                    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                    f.flush()
+                os.fsync(f.fileno())
+                generated += len(batch)
+                capped += batch_capped
+                progress.update(task, advance=len(batch))
+
+    lines = [
+        f"regenerate → {out_path}: {len(seen)} conversations kept ({len(report.malformed)} malformed rows skipped"
+        + (f", {repeated} repeated ids skipped" if repeated else "")
+        + f"), {resumed} already done (skipped), {generated} generated",
+    ]
+    if capped:
+        lines.append(f"  {capped} assistant turns reached max_new_tokens={max_new_tokens} and were cut there")
+    if resume.dropped_partial:
+        lines.append("  a partial last line left by an interrupted run was removed")
+    if report.malformed:
+        lines.append(report.summary())
+    console.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
