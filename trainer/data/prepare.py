@@ -9,13 +9,14 @@ read from a feature cache (``features: offline``); a drafter gets the same batch
 from __future__ import annotations
 
 import random
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from trainer.data.pack import PackedRow, collate, pack, truncate
@@ -125,6 +126,20 @@ class RowDataset(Dataset):
         return vars(self.rows[i])
 
 
+class ResumableSampler(Sampler[int]):
+    """A seeded permutation per epoch that can start after the first ``skip`` indices (resume mid-epoch)."""
+
+    def __init__(self, n: int, seed: int, epoch: int = 0, skip: int = 0) -> None:
+        self.n, self.seed, self.epoch, self.skip = n, seed, epoch, skip
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
+        yield from order[self.skip :].tolist()
+
+    def __len__(self) -> int:
+        return self.n - self.skip
+
+
 class DraftData(L.LightningDataModule):
     """Batches for drafter training: ``input_ids``, ``loss_mask``, ``position_ids``, ``doc_ids`` (B, T), plus
     ``features`` and the teacher's top-k in offline mode.
@@ -168,22 +183,31 @@ class DraftData(L.LightningDataModule):
             prepared = prepare(self.spec, self.tokenizer)
             self._datasets = {"train": RowDataset(prepared.train), "validation": RowDataset(prepared.validation)}
 
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+    def _loader(self, split: str, sampler: Sampler[int] | None = None) -> DataLoader:
         self.setup()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         return DataLoader(
             self._datasets[split],
             batch_size=self.batch_size,
-            shuffle=shuffle,
+            sampler=sampler,
+            drop_last=sampler is not None,
             num_workers=self.num_workers,
-            collate_fn=lambda rows: collate_features(rows, pad),
+            collate_fn=partial(collate_features, pad_id=pad),
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+        """Shuffled by (seed, epoch); after a resume it starts at the batch the checkpoint had reached."""
+        self.setup()
+        epoch, skip_batches = 0, 0
+        if self.trainer is not None:
+            epoch = self.trainer.current_epoch
+            skip_batches = self.trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        n = len(self._datasets["train"])
+        skip = min(n, skip_batches * self.batch_size)
+        return self._loader("train", ResumableSampler(n, self.spec.seed, epoch, skip))
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("validation", shuffle=False)
+        return self._loader("validation")
 
 
 def collate_features(rows: list[dict], pad_id: int) -> dict:

@@ -328,9 +328,9 @@ def regenerate(
     Args:
         target: HF causal LM directory or hub id of the target; its tokenizer and chat template load from the
             same place.
-        data: Chat data: JSON, JSONL or Parquet files, or directories of them (OpenAI ``messages`` or ShareGPT
-            ``conversations``).
-        output: Output JSONL path, one ``{"id", "source", "messages"}`` per conversation; appended to when it
+        data: Chat data: JSON, JSONL or Parquet files, or directories of them (OpenAI "messages" or ShareGPT
+            "conversations").
+        output: Output JSONL path, one {"id", "source", "messages"} object per conversation; appended to when it
             exists (resume).
         temperature: Sampling temperature; 0 decodes greedily.
         top_p: Nucleus sampling mass, in (0, 1]; used only when temperature > 0.

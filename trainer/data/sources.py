@@ -21,6 +21,7 @@ from typing import Any
 import datasets
 
 from trainer.errors import UserError
+from trainer.tiny.corpus import SPLITS, list_modules
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -167,10 +168,23 @@ def load_chat(paths: Sequence[str | Path], strict: bool = False, report: LoadRep
 
 
 def load_text(paths: Sequence[str | Path], suffixes: Iterable[str] = TEXT_SUFFIXES) -> datasets.Dataset:
-    """One row per non-empty UTF-8 text file (code or prose); undecodable files are reported, not kept."""
+    """One row per non-empty UTF-8 text file (code or prose); undecodable files are reported, not kept.
+
+    ``stdlib:train`` (or ``validation``, ``heldout``) stands for that split of the embedded stdlib corpus.
+    """
     report = LoadReport()
     rows = []
-    for path in _expand(paths, set(suffixes)):
+    files: list[Path] = []
+    for p in paths:
+        if str(p).startswith("stdlib:"):
+            # The embedded corpus: the running interpreter's standard library, one split of it.
+            split = str(p).split(":", 1)[1]
+            if split not in SPLITS:
+                raise UserError(f"unknown stdlib split in {p!r}; use one of {', '.join('stdlib:' + s for s in SPLITS)}")
+            files += [m.path for m in list_modules(split)]
+        else:
+            files += _expand([p], set(suffixes))
+    for path in files:
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:

@@ -1,0 +1,130 @@
+"""Block-drafter training batches as pure tensor functions: anchors, block inputs, labels, attention masks.
+
+A DFlash-style drafter is trained on many blocks per sequence at once. Each anchor ``a`` opens a block of
+``block_size`` slots: slot 0 holds the committed token ``x_a``, slots ``1..B-1`` hold ``MASK`` and are
+labelled ``x_{a+k}``. All blocks of a row are concatenated along the query axis; the mask lets block ``n``
+see the context keys ``j < a_n`` of its own packed sample and every slot of its own block, nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Blocks:
+    # Shape: (B, N) anchor positions; -1 where a row has fewer than N anchors
+    anchors: torch.Tensor
+    # Shape: (B, N) bool
+    valid: torch.Tensor
+    # Shape: (B, N, K) block input tokens: x_a then MASK
+    tokens: torch.Tensor
+    # Shape: (B, N, K) RoPE positions of the block slots
+    positions: torch.Tensor
+    # Shape: (B, N, K) the token each slot predicts (x_{a+k}); slot 0 has none
+    labels: torch.Tensor
+    # Shape: (B, N, K) bool: slot k has a label inside the same sample and under the loss mask
+    label_mask: torch.Tensor
+    # Shape: (B, N, K) index of the sequence position whose target distribution predicts the slot (a+k-1)
+    teacher_index: torch.Tensor
+    # Shape: (B, N, K) the ground-truth previous token of each slot (x_{a+k-1}), for teacher forcing
+    prev_tokens: torch.Tensor
+
+
+def anchor_candidates(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """Shape: (B, T) → (B, T) bool: ``a`` with ``loss_mask[a]`` and ``loss_mask[a+1]`` in one sample."""
+    ok = torch.zeros_like(loss_mask, dtype=torch.bool)
+    ok[:, :-1] = (
+        loss_mask[:, :-1].bool() & loss_mask[:, 1:].bool() & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] > 0)
+    )
+    return ok
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, doc_ids: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``max_anchors`` distinct random anchors per row, sorted. Shape: (B, T) → anchors, valid (B, N)."""
+    cand = anchor_candidates(loss_mask, doc_ids)
+    rows = []
+    for b in range(cand.shape[0]):
+        pos = cand[b].nonzero().flatten()
+        if len(pos) > max_anchors:
+            pick = torch.randperm(len(pos), generator=generator, device="cpu")[:max_anchors].to(pos.device)
+            pos = pos[pick].sort().values
+        rows.append(pos)
+    n = max(1, max(len(r) for r in rows))
+    anchors = torch.full((cand.shape[0], n), -1, dtype=torch.long, device=loss_mask.device)
+    for b, pos in enumerate(rows):
+        anchors[b, : len(pos)] = pos
+    return anchors, anchors >= 0
+
+
+def make_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    doc_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+) -> Blocks:
+    """Block inputs, labels and teacher indices for the given anchors (see module docstring)."""
+    t = input_ids.shape[1]
+    k = torch.arange(block_size, device=input_ids.device)
+    a = anchors.clamp(min=0)
+    # Shape: (B, N, K)
+    idx = a[..., None] + k
+    inside = idx < t
+    idx_c = idx.clamp(max=t - 1)
+
+    def at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return x.gather(1, index.flatten(1)).view(index.shape)
+
+    same_doc = at(doc_ids, idx_c) == at(doc_ids, a)[..., None]
+    label_mask = valid[..., None] & inside & same_doc & at(loss_mask, idx_c).bool() & (k > 0)
+    tokens = torch.full_like(idx, mask_token_id)
+    tokens[..., 0] = at(input_ids, a)
+    prev_index = (idx_c - 1).clamp(min=0)
+    return Blocks(
+        anchors=anchors,
+        valid=valid,
+        tokens=tokens,
+        positions=at(position_ids, a)[..., None] + k,
+        labels=at(input_ids, idx_c),
+        label_mask=label_mask,
+        teacher_index=prev_index,
+        prev_tokens=at(input_ids, prev_index),
+    )
+
+
+def block_attention_mask(doc_ids: torch.Tensor, blocks: Blocks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Shape: doc_ids (B, T), N blocks of K → additive mask (B, 1, N·K, T + N·K).
+
+    Query slot of block n sees context key j iff ``j < a_n`` and j is in the anchor's sample, and every slot
+    of block n (bidirectionally). Invalid (padding) blocks see only their own block, so no row is empty.
+    """
+    b, n, k = blocks.tokens.shape
+    t = doc_ids.shape[1]
+    a = blocks.anchors.clamp(min=0)
+    anchor_doc = doc_ids.gather(1, a)
+    j = torch.arange(t, device=doc_ids.device)
+    # Shape: (B, N, T)
+    ctx = (j < a[..., None]) & (doc_ids[:, None, :] == anchor_doc[..., None]) & blocks.valid[..., None]
+    ctx = ctx[:, :, None, :].expand(b, n, k, t).reshape(b, n * k, t)
+    block_id = torch.arange(n, device=doc_ids.device).repeat_interleave(k)
+    own = (block_id[:, None] == block_id[None, :]).expand(b, n * k, n * k)
+    allowed = torch.cat([ctx, own], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def slot_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
+    """Shape: (K,) ``w_k = exp(-(k-1)/gamma)`` for slots 1..K-1; slot 0 has weight 0 (it has no label)."""
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
