@@ -33,9 +33,7 @@ def tvd_topk(student_logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_lp
 
 def cross_entropy(student_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Shape: (..., V), (...) → (...)"""
-    return F.cross_entropy(student_logits.flatten(0, -2).float(), labels.flatten(), reduction="none").view(
-        labels.shape
-    )
+    return F.cross_entropy(student_logits.flatten(0, -2).float(), labels.flatten(), reduction="none").view(labels.shape)
 
 
 def topk_coverage(student_logits: torch.Tensor, token: torch.Tensor, k: int) -> torch.Tensor:

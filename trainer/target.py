@@ -56,6 +56,23 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     return layers
 
 
+def load_causal_lm(
+    name_or_path: str,
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str = "sdpa",
+    device: str | torch.device | None = None,
+) -> PreTrainedModel:
+    """An HF causal LM by hub id or local path; a clear UserError when it cannot be loaded."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
+        )
+    except (OSError, ValueError) as e:
+        where = "local directory" if Path(name_or_path).exists() else "local path nor a reachable hub id"
+        raise UserError(f"cannot load target '{name_or_path}' ({where}): {e}") from None
+    return model.to(device) if device is not None else model
+
+
 class Target(nn.Module):
     """A frozen HF causal LM that returns the hidden states of ``layer_ids`` and the logits in one forward."""
 
@@ -92,16 +109,7 @@ class Target(nn.Module):
         device: str | torch.device | None = None,
     ) -> Target:
         """Load an HF causal LM by hub id or local path, frozen, in ``dtype``."""
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                name_or_path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
-            )
-        except (OSError, ValueError) as e:
-            where = "local directory" if Path(name_or_path).exists() else "local path nor a reachable hub id"
-            raise UserError(f"cannot load target '{name_or_path}' ({where}): {e}") from None
-        if device is not None:
-            model.to(device)
-        return cls(model, layer_ids)
+        return cls(load_causal_lm(name_or_path, dtype, attn_implementation, device), layer_ids)
 
     @property
     def config(self):

@@ -9,8 +9,8 @@ read from a feature cache (``features: offline``); a drafter gets the same batch
 from __future__ import annotations
 
 import random
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 

@@ -1,0 +1,401 @@
+"""DFlash block drafter (ALGORITHMS.md §1): a few Qwen3 decoder layers that draft a whole block in one forward.
+
+The drafter reads the frozen target's hidden states of a few layers (``target_layer_ids``), projects their
+concatenation to one context vector per committed position (``hidden_norm(fc(.))``), and runs a block of
+``block_size`` query positions - the last committed token followed by ``MASK`` tokens, embedded with the target's
+own input embedding - through decoder layers whose keys and values come from ``concat[context, block]``. No
+causal mask: the block sees all of its context and itself bidirectionally. The output is the final-normed
+hidden state per block slot; the target's frozen LM head turns it into logits. The drafter owns no embedding
+and no LM head.
+
+Parameter names equal the keys of the reference checkpoint format (``z-lab/Qwen3-4B-DFlash-b16``, loaded by
+``DFlashDraftModel`` of the ``dflash`` package), and ``config.json`` is a Qwen3 config plus ``block_size``,
+``num_target_layers`` and ``dflash_config: {mask_token_id, target_layer_ids}``, so a directory written by
+``save_pretrained`` loads in the reference and the other way round.
+
+On CPU, with a config-built Qwen3 target::
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from trainer.drafters.dflash import DFlashDraftModel, build_config
+
+    target = Qwen3ForCausalLM(Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=8)).eval()
+    drafter = DFlashDraftModel(build_config(target.config, num_layers=2, block_size=4, mask_token_id=96))
+    ids = torch.randint(0, 96, (1, 10))
+    hidden = target(ids, output_hidden_states=True).hidden_states
+    features = torch.cat([hidden[i + 1] for i in drafter.target_layer_ids], dim=-1)   # (1, 10, 2*32)
+    block = torch.tensor([[ids[0, -1].item()] + [96] * 3])                             # anchor, then MASK
+    out = drafter(target.get_input_embeddings()(block), features[:, :-1], torch.arange(13)[None])
+    draft = target.lm_head(out)[:, 1:].argmax(-1)                                     # slots 1..3
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import PretrainedConfig, Qwen3Config
+from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3PreTrainedModel,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
+
+from trainer.errors import UserError
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The target layers whose outputs feed the drafter: one per drafter layer, spread over the target's depth.
+
+    One drafter layer reads the middle layer; more read ``round(1 + i * (L - 4) / (n - 1))``, i.e. evenly from
+    layer 1 to layer ``L - 3`` (36 target layers, 5 drafter layers: ``[1, 9, 17, 25, 33]``). Layer id ``l`` is
+    the output of decoder layer ``l``, HF ``hidden_states[l + 1]``.
+    """
+    if num_target_layers < 1 or num_draft_layers < 1:
+        raise UserError(
+            f"target_layer_ids needs at least one target and one drafter layer, got {num_target_layers} target "
+            f"and {num_draft_layers} drafter layers"
+        )
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+# build_config's argument `target_layer_ids` shadows the function of that name inside it.
+_spread_target_layer_ids = target_layer_ids
+
+
+def build_config(
+    target_config: PretrainedConfig,
+    num_layers: int,
+    block_size: int,
+    mask_token_id: int,
+    target_layer_ids: Sequence[int] | None = None,
+    **overrides: Any,
+) -> Qwen3Config:
+    """A drafter config for ``target_config``: the target's width, heads, RoPE, vocabulary and norm eps.
+
+    The drafter's hidden size must equal the target's, because its inputs are the target's input embeddings
+    and its outputs go through the target's LM head; every other field (e.g. ``intermediate_size``) may be
+    overridden. ``target_layer_ids`` defaults to the spread rule of :func:`target_layer_ids`.
+    """
+    text = target_config.get_text_config()
+    num_target_layers = text.num_hidden_layers
+    if num_layers < 1:
+        raise UserError(f"a DFlash drafter needs at least one layer, got num_layers={num_layers}")
+    if block_size < 2:
+        raise UserError(f"block_size must be at least 2 (the anchor plus one drafted slot), got {block_size}")
+    if not 0 <= mask_token_id < text.vocab_size:
+        raise UserError(f"mask_token_id {mask_token_id} is outside the target vocabulary 0..{text.vocab_size - 1}")
+    if target_layer_ids is None:
+        layer_ids = _spread_target_layer_ids(num_target_layers, num_layers)
+    else:
+        layer_ids = [int(i) for i in target_layer_ids]
+    bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
+    if not layer_ids or bad:
+        raise UserError(
+            f"target_layer_ids {layer_ids} must be non-empty and within the target's layers 0..{num_target_layers - 1}"
+        )
+    if overrides.get("hidden_size", text.hidden_size) != text.hidden_size:
+        raise UserError(
+            f"the drafter's hidden_size must equal the target's ({text.hidden_size}): it reads the target's input "
+            f"embeddings and feeds the target's LM head; got hidden_size={overrides['hidden_size']}"
+        )
+
+    num_heads = text.num_attention_heads
+    fields: dict[str, Any] = {
+        "vocab_size": text.vocab_size,
+        "hidden_size": text.hidden_size,
+        "intermediate_size": text.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or num_heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // num_heads,
+        "hidden_act": getattr(text, "hidden_act", "silu"),
+        "max_position_embeddings": text.max_position_embeddings,
+        "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
+        "attention_bias": getattr(text, "attention_bias", False),
+        "tie_word_embeddings": False,
+        # The reference format: top-level block size and target depth, the rest under `dflash_config`.
+        "block_size": block_size,
+        "num_target_layers": num_target_layers,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": layer_ids},
+        "architectures": ["DFlashDraftModel"],
+    }
+    rope = getattr(text, "rope_parameters", None)
+    if rope:
+        fields["rope_parameters"] = copy.deepcopy(dict(rope))
+    fields.update(overrides)
+    return Qwen3Config(**fields)
+
+
+def _dflash_field(config: PretrainedConfig, name: str, default: Any = None) -> Any:
+    """A DFlash setting: from ``dflash_config`` first, then the config's top level (where the reference looks)."""
+    nested = getattr(config, "dflash_config", None) or {}
+    return nested.get(name, getattr(config, name, default))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x`` (B, heads, T, D) with ``cos``/``sin`` (B, T, D) of the same T positions."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    """Block queries attend to keys/values projected from the context followed by the block itself.
+
+    Unlike Qwen3 attention, the key/value sequence is longer than the query sequence: ``C`` context positions
+    come first, then the ``Q`` block positions. The context enters every layer as the same projected target
+    feature (it is not transformed by earlier drafter layers), which is why its keys can be cached across
+    drafting steps independently of the block.
+    """
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        # Qwen3 normalises queries and keys per head, before RoPE.
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        # Shape: hidden_states (B, Q, H), context (B, C, H)
+        batch, q_len, _ = hidden_states.shape
+        kv_len = context.shape[1] + q_len
+        # Shape: (B, C + Q, H) - the context first, then the block, along the sequence axis
+        kv_input = torch.cat([context, hidden_states], dim=1)
+
+        # Shape: (B, heads, Q, D)
+        query = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, self.num_heads, self.head_dim))
+        query = query.transpose(1, 2)
+        # Shape: (B, kv_heads, C + Q, D)
+        key = self.k_norm(self.k_proj(kv_input).view(batch, kv_len, self.num_key_value_heads, self.head_dim))
+        key = key.transpose(1, 2)
+        value = self.v_proj(kv_input).view(batch, kv_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+
+        # Shape: cos, sin (B, C + Q, D). Keys get every position; queries only the block's, which come last.
+        cos, sin = position_embeddings
+        query = apply_rotary(query, cos[:, -q_len:], sin[:, -q_len:])
+        key = apply_rotary(key, cos, sin)
+
+        if cache is not None:
+            # Shape: (B, kv_heads, P + C + Q, D) with P the cached positions (context, and blocks not cropped yet)
+            key, value = cache.update(key, value, self.layer_idx)
+
+        # Grouped-query attention: each key/value head serves `num_key_value_groups` query heads.
+        key = key.repeat_interleave(self.num_key_value_groups, dim=1)
+        value = value.repeat_interleave(self.num_key_value_groups, dim=1)
+        # Shape: (B, heads, Q, D)
+        attn_output = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            scale=self.scaling,
+        )
+        # Shape: (B, Q, heads * D) -> (B, Q, H)
+        attn_output = attn_output.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)
+        return self.o_proj(attn_output)
+
+
+class DFlashDecoderLayer(GradientCheckpointingLayer):
+    """A pre-norm Qwen3 decoder layer whose attention also reads the context; the context has no residual path."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        # Shape: (B, Q, H). Only the block is normalised here: the context was normalised once by `hidden_norm`.
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = self.self_attn(hidden_states, context, position_embeddings, attention_mask, cache)
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+class DFlashDraftModel(Qwen3PreTrainedModel):
+    """The DFlash drafter: ``fc`` + ``hidden_norm`` over target features, Qwen3-style layers, final ``norm``."""
+
+    _no_split_modules: ClassVar[list[str]] = ["DFlashDecoderLayer"]
+    # The attention calls torch's SDPA directly (exact with an additive mask); other kernels are not wired in.
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _can_record_outputs: ClassVar[dict] = {}
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types) or getattr(config, "is_causal", False):
+            raise UserError(
+                f"DFlashDraftModel supports only bidirectional full-attention layers; the config has "
+                f"layer_types={layer_types}, is_causal={getattr(config, 'is_causal', None)}"
+            )
+        self.target_layer_ids: list[int] = list(
+            _dflash_field(
+                config,
+                "target_layer_ids",
+                _spread_target_layer_ids(config.num_target_layers, config.num_hidden_layers),
+            )
+        )
+        self.block_size = int(_dflash_field(config, "block_size", DEFAULT_BLOCK_SIZE))
+        self.mask_token_id: int | None = _dflash_field(config, "mask_token_id")
+
+        hidden = config.hidden_size
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        # [H, n*H]: the concatenated target features of all n chosen layers to one context vector per position.
+        self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.post_init()
+
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,
+        target_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool = False,
+    ) -> torch.Tensor:
+        """Draft hidden states for the query positions. Shape: (B, Q, H).
+
+        - ``noise_embedding`` (B, Q, H): the target's input embeddings of the block tokens (anchor, MASK, ...);
+          in training, several blocks concatenated along Q.
+        - ``target_hidden`` (B, C, n*H): the raw concatenated target features of the context positions whose
+          keys are not cached yet; ``hidden_norm(fc(.))`` is applied here.
+        - ``position_ids`` (B, C + Q): the context positions, then the query positions. Keys take all of
+          them, queries the last Q.
+        - ``attention_mask``: ``None`` lets every query see every key (inference: one block after its context),
+          or a mask (B, 1, Q, P + C + Q) over the P cached and C + Q new keys, additive float (``0`` /
+          ``finfo.min``) or boolean (``True`` = may attend). Training builds one with
+          :func:`block_attention_mask`.
+        - ``past_key_values``: a ``DynamicCache`` that receives the new context and block keys of every layer
+          and supplies the cached ones. Keep the context, drop the block after drafting:
+          ``past_key_values.crop(-Q)`` (transformers 5.24 takes the negative count to remove).
+        - ``use_cache``: must be set with a cache (a cache passed in is always updated, as in the reference);
+          without one there is nowhere to keep the keys, since the drafter returns only hidden states.
+        """
+        if use_cache and past_key_values is None:
+            raise ValueError("use_cache=True needs a DynamicCache in past_key_values: the drafter returns only states")
+        if target_hidden.shape[-1] != self.fc.in_features:
+            raise ValueError(
+                f"target_hidden has {target_hidden.shape[-1]} features; expected {self.fc.in_features} "
+                f"(the {len(self.target_layer_ids)} target layers {self.target_layer_ids} concatenated)"
+            )
+        q_len, ctx_len = noise_embedding.shape[1], target_hidden.shape[1]
+        if position_ids.shape[-1] != ctx_len + q_len:
+            raise ValueError(
+                f"position_ids must cover the {ctx_len} context then the {q_len} query positions, "
+                f"got {position_ids.shape[-1]}"
+            )
+
+        # Shape: (B, C, H)
+        context = self.hidden_norm(self.fc(target_hidden))
+        hidden_states = noise_embedding
+        # Shape: cos, sin (B, C + Q, D)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        if attention_mask is not None:
+            attention_mask = _as_additive(attention_mask, hidden_states.dtype)
+
+        for layer in self.layers:
+            # Tensors that may need gradients go positionally, as gradient checkpointing requires.
+            hidden_states = layer(
+                hidden_states, context, position_embeddings, attention_mask=attention_mask, cache=past_key_values
+            )
+        return self.norm(hidden_states)
+
+
+def _as_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean (True = attend) or float mask as an additive mask in ``dtype``, as SDPA requires."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    # finfo(float32).min overflows to -inf in float16; clamp keeps it finite.
+    return mask.to(dtype).clamp_min(torch.finfo(dtype).min)
+
+
+def block_position_ids(context_position_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Positions for a training forward with N blocks. Shape: (B, C), (B, N) -> (B, C + N * block_size).
+
+    ``anchors`` are indices into the context row; block ``b`` sits at positions ``pos[anchor_b] + 0..bs-1``, so
+    packed rows whose positions restart per sample give every block the positions of its own sample.
+    """
+    # Shape: (B, N, block_size)
+    block = context_position_ids.gather(1, anchors)[..., None] + torch.arange(block_size, device=anchors.device)
+    return torch.cat([context_position_ids, block.flatten(1)], dim=1)
+
+
+def block_attention_mask(
+    anchors: torch.Tensor,
+    context_len: int,
+    block_size: int,
+    doc_ids: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The training mask for N blocks in one forward. Shape: anchors (B, N) -> (B, 1, N * bs, C + N * bs).
+
+    Block ``b`` sees the context keys ``j < anchors[b]`` (the anchor's own features are not known at inference
+    time) and, bidirectionally, the keys of its own block; never another block. With ``doc_ids`` (B, C) of a
+    packed row, the context keys must also belong to the anchor's sample. Additive: ``0`` / ``finfo.min``.
+    """
+    batch, num_blocks = anchors.shape
+    device = anchors.device
+    j = torch.arange(context_len, device=device)
+    # Shape: (B, N, C)
+    sees_context = j[None, None, :] < anchors[..., None]
+    if doc_ids is not None:
+        sees_context &= doc_ids[:, None, :] == doc_ids.gather(1, anchors)[..., None]
+    # Shape: (N, N) -> every query of block b sees every key of block b
+    own_block = torch.eye(num_blocks, dtype=torch.bool, device=device)
+    # Shape: (B, N*bs, C) and (B, N*bs, N*bs)
+    sees_context = sees_context.repeat_interleave(block_size, dim=1)
+    sees_block = own_block.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1).expand(batch, -1, -1)
+    allowed = torch.cat([sees_context, sees_block], dim=2)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]

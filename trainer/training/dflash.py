@@ -1,0 +1,132 @@
+"""DFlash block-drafter training (ALGORITHMS.md §1): random anchors, block masks, decaying slot weights.
+
+Recipe ``recipes/dflash_tiny.yaml`` trains the tiny DFlash backbone on the shipped tiny target; on CPU::
+
+    trainer fit --recipe dflash_tiny --trainer.max_steps 20
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from transformers import PretrainedConfig
+
+from trainer.drafters.dflash import DFlashDraftModel, build_config
+from trainer.errors import UserError
+from trainer.losses import cross_entropy, forward_kl_topk, weighted_slot_mean
+from trainer.paths import project_path
+from trainer.training.block import BlockDrafterTraining
+
+
+class DFlashTraining(BlockDrafterTraining):
+    """Trains a DFlash drafter against a frozen target.
+
+    Args:
+        target: HF causal LM (directory or hub id); its embedding and LM head are the drafter's.
+        num_layers: drafter decoder layers.
+        block_size: slots per block (anchor + B-1 masked slots).
+        gamma: slot weight decay ``w_k = exp(-(k-1)/gamma)``.
+        max_anchors: blocks per training row.
+        loss: ``ce`` against the data token or ``kl`` (forward KL) against the target's distribution.
+        mask_token_id: the MASK token; default the tokenizer's mask token of the target directory.
+        intermediate_size: drafter MLP width; default the target's.
+        init_from: start from this DFlash checkpoint directory instead of a random init.
+        target_dtype: the target's compute dtype.
+        topk: teacher tokens per position (online features; offline takes the cache's).
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay on matrices.
+        warmup_steps: linear warm-up steps.
+        min_lr_ratio: cosine floor as a fraction of ``lr``.
+        seed: anchor sampling seed (anchors are a function of seed and step, so a resumed run draws the same).
+        export_dir: HF directory written at the end of fit; default ``<run>/hf``.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        num_layers: int = 1,
+        block_size: int = 16,
+        gamma: float = 7.0,
+        max_anchors: int = 32,
+        loss: Literal["ce", "kl"] = "ce",
+        mask_token_id: int | None = None,
+        intermediate_size: int | None = None,
+        init_from: str | None = None,
+        target_dtype: str = "float32",
+        topk: int = 32,
+        lr: float = 6e-4,
+        weight_decay: float = 0.01,
+        warmup_steps: int = 50,
+        min_lr_ratio: float = 0.1,
+        seed: int = 0,
+        export_dir: str | None = None,
+    ) -> None:
+        super().__init__(
+            target,
+            target_dtype,
+            gamma,
+            max_anchors,
+            topk,
+            lr,
+            weight_decay,
+            warmup_steps,
+            min_lr_ratio,
+            seed,
+            export_dir,
+        )
+        self.save_hyperparameters()
+
+    def build_drafter(self, target_config: PretrainedConfig) -> DFlashDraftModel:
+        hp = self.hparams
+        if hp.init_from:
+            path = project_path(hp.init_from)
+            if not (path / "config.json").is_file():
+                raise UserError(f"model.init_from: no DFlash checkpoint at {path}")
+            return DFlashDraftModel.from_pretrained(str(path), dtype=torch.float32)
+        mask_id = hp.mask_token_id
+        if mask_id is None:
+            from transformers import AutoTokenizer
+
+            mask_id = AutoTokenizer.from_pretrained(str(project_path(hp.target))).mask_token_id
+            if mask_id is None:
+                raise UserError("the target's tokenizer has no mask token; set model.mask_token_id")
+        overrides = {"intermediate_size": hp.intermediate_size} if hp.intermediate_size else {}
+        config = build_config(target_config, hp.num_layers, hp.block_size, mask_id, **overrides)
+        return DFlashDraftModel(config)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.drafter.target_layer_ids)
+
+    @property
+    def dflash(self) -> DFlashDraftModel:
+        return self.drafter
+
+    def _slot_losses(self, batch):
+        batch, blocks = self._blocks(batch)
+        logits = self.logits(self.drafter.norm(self.block_hidden(batch, blocks)))
+        t_ids, t_lp = self.teacher(batch, blocks)
+        if self.hparams.loss == "kl":
+            per_slot = forward_kl_topk(logits, t_ids, t_lp)
+        else:
+            per_slot = cross_entropy(logits, blocks.labels)
+        return weighted_slot_mean(per_slot, blocks.label_mask, self.slot_weights()), logits, blocks, t_ids, t_lp
+
+    def training_step(self, batch, batch_idx):
+        loss, logits, blocks, _, _ = self._slot_losses(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        with torch.no_grad():
+            acc = (logits.argmax(-1) == blocks.labels).float()
+            self.log("train/slot1_acc", acc[..., 1][blocks.label_mask[..., 1]].mean())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss, logits, blocks, t_ids, t_lp = self._slot_losses(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.accumulate_depth_metrics("dflash", logits, blocks, t_ids, t_lp)
+
+    def on_fit_end(self) -> None:
+        if self.trainer.is_global_zero:
+            self.print_depth_table(["dflash"])
+            print(f"DFlash drafter -> {self.export(self.drafter)}")

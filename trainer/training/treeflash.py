@@ -1,0 +1,123 @@
+"""TreeFlash training (ALGORITHMS.md §4): a SwiGLU AR-approximator over a pretrained DFlash backbone.
+
+Teacher forcing gives slot ``k`` the ground-truth previous token ``x_{a+k-1}``; the loss is the forward KL to
+the target's distribution with depth-decaying weights. Per-depth KL, TVD and top-1/top-5 coverage of the
+marginal (DFlash) and corrected (TreeFlash) distributions go to TensorBoard, and the table is printed at the
+end. The README's main job, on CPU::
+
+    trainer fit --recipe treeflash_tiny
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+
+from trainer.drafters.dflash import DFlashDraftModel
+from trainer.drafters.treeflash import TreeFlashDraftModel
+from trainer.errors import UserError
+from trainer.losses import forward_kl_topk, weighted_slot_mean
+from trainer.paths import project_path
+from trainer.training.block import BlockDrafterTraining
+
+
+class TreeFlashTraining(BlockDrafterTraining):
+    """Trains the AR-approximator of a TreeFlash drafter (and optionally its backbone).
+
+    Args:
+        target: HF causal LM (directory or hub id) the backbone was trained for.
+        backbone: DFlash checkpoint directory (reference format or ours) or a TreeFlash directory to continue.
+        freeze_backbone: train only the approximator (the paper finds this about equal to full fine-tuning).
+        intermediate_size: approximator width I; default the backbone's MLP width.
+        gamma: depth decay of the loss weights, ``w_k = exp(-(k-1)/gamma)``.
+        max_anchors: blocks per training row.
+        target_dtype: the target's compute dtype.
+        topk: teacher tokens per position (online features; offline takes the cache's).
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay on matrices.
+        warmup_steps: linear warm-up steps.
+        min_lr_ratio: cosine floor as a fraction of ``lr``.
+        seed: anchor sampling seed.
+        export_dir: HF directory (reference TreeFlash format) written at the end of fit; default ``<run>/hf``.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        backbone: str,
+        freeze_backbone: bool = True,
+        intermediate_size: int | None = None,
+        gamma: float = 7.0,
+        max_anchors: int = 32,
+        target_dtype: str = "float32",
+        topk: int = 32,
+        lr: float = 1e-3,
+        weight_decay: float = 0.01,
+        warmup_steps: int = 30,
+        min_lr_ratio: float = 0.1,
+        seed: int = 0,
+        export_dir: str | None = None,
+    ) -> None:
+        super().__init__(
+            target,
+            target_dtype,
+            gamma,
+            max_anchors,
+            topk,
+            lr,
+            weight_decay,
+            warmup_steps,
+            min_lr_ratio,
+            seed,
+            export_dir,
+        )
+        self.save_hyperparameters()
+
+    def build_drafter(self, target_config: PretrainedConfig) -> TreeFlashDraftModel:
+        source = str(project_path(self.hparams.backbone))
+        try:
+            architectures = PretrainedConfig.get_config_dict(source)[0].get("architectures") or []
+        except OSError as e:
+            raise UserError(f"model.backbone: no DFlash or TreeFlash checkpoint at '{source}': {e}") from None
+        if "TreeFlashDraftModel" in architectures:
+            model = TreeFlashDraftModel.from_pretrained(source, dtype=torch.float32)
+        else:
+            backbone = DFlashDraftModel.from_pretrained(source, dtype=torch.float32)
+            model = TreeFlashDraftModel.from_dflash(backbone, self.hparams.intermediate_size)
+        model.model.requires_grad_(not self.hparams.freeze_backbone)
+        return model
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.drafter.model.target_layer_ids)
+
+    @property
+    def dflash(self) -> DFlashDraftModel:
+        return self.drafter.model
+
+    def _forward(self, batch):
+        batch, blocks = self._blocks(batch)
+        hidden = self.block_hidden(batch, blocks)
+        normed = self.dflash.norm(hidden)
+        prev = self.target.embed_tokens(blocks.prev_tokens).to(hidden.dtype)
+        corrected = self.logits(self.drafter.correct(hidden, normed, prev))
+        t_ids, t_lp = self.teacher(batch, blocks)
+        kl = forward_kl_topk(corrected, t_ids, t_lp)
+        loss = weighted_slot_mean(kl, blocks.label_mask, self.slot_weights())
+        return loss, normed, corrected, blocks, t_ids, t_lp
+
+    def training_step(self, batch, batch_idx):
+        loss, *_ = self._forward(batch)
+        self.log("train/kl", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss, normed, corrected, blocks, t_ids, t_lp = self._forward(batch)
+        self.log("val/kl", loss, prog_bar=True, sync_dist=True)
+        self.accumulate_depth_metrics("treeflash", corrected, blocks, t_ids, t_lp)
+        self.accumulate_depth_metrics("dflash", self.logits(normed), blocks, t_ids, t_lp)
+
+    def on_fit_end(self) -> None:
+        if self.trainer.is_global_zero:
+            self.print_depth_table(["dflash", "treeflash"])
+            print(f"TreeFlash drafter -> {self.export(self.drafter)}")
