@@ -13,12 +13,11 @@ from transformers import DynamicCache, Qwen3Config
 
 from trainer.drafters.dflash import (
     DFlashDraftModel,
-    block_attention_mask,
-    block_position_ids,
     build_config,
     target_layer_ids,
 )
 from trainer.errors import UserError
+from trainer.training.blocks import block_attention_mask, make_blocks
 
 HIDDEN = 32
 BLOCK = 4
@@ -78,8 +77,8 @@ def reference_class():
     try:
         from dflash.model import DFlashDraftModel as Reference
     except ModuleNotFoundError as e:
-        if e.name != "dflash":
-            raise
+        if (e.name or "").partition(".")[0] != "dflash":
+            raise  # dflash is there but something it imports is not: a real failure, not a skip
         pytest.skip("dflash package not installed: pip install --no-deps dflash")
     return Reference
 
@@ -97,10 +96,18 @@ def inputs(batch: int, ctx: int, q: int, seed: int = 1):
     return noise, features
 
 
+def packed_layout(anchors: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor):
+    """Positions and mask of the training batch builder (trainer.training.blocks) for the given anchors."""
+    ones = torch.ones_like(doc_ids)
+    blocks = make_blocks(ones, ones, position_ids, doc_ids, anchors, anchors >= 0, BLOCK, mask_token_id=0)
+    positions = torch.cat([position_ids, blocks.positions.flatten(1)], dim=1)
+    return positions, block_attention_mask(doc_ids, blocks)
+
+
 def training_layout(anchors: torch.Tensor, ctx: int):
     """Positions and mask for N blocks after a context at positions 0..ctx-1."""
-    positions = block_position_ids(torch.arange(ctx).expand(anchors.shape[0], -1), anchors, BLOCK)
-    return positions, block_attention_mask(anchors, ctx, BLOCK)
+    b = anchors.shape[0]
+    return packed_layout(anchors, torch.arange(ctx).expand(b, -1), torch.ones(b, ctx, dtype=torch.long))
 
 
 @torch.no_grad()
@@ -113,6 +120,8 @@ def test_forward_matches_reference(drafter):
     ours = drafter(noise, features, positions)
     theirs = reference(position_ids=positions, noise_embedding=noise, target_hidden=features)
     assert ours.shape == (2, BLOCK, HIDDEN)
+    prenorm = drafter(noise, features, positions, return_prenorm=True)
+    torch.testing.assert_close(drafter.norm(prenorm), ours, rtol=0, atol=0)
     diff_plain = (ours - theirs).abs().max().item()
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
@@ -262,9 +271,8 @@ def test_block_mask_respects_packed_samples(drafter):
     row_positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]])
     anchors = torch.tensor([[8]])
     noise, features = inputs(1, 10, BLOCK, seed=8)
-    positions = block_position_ids(row_positions, anchors, BLOCK)
+    positions, mask = packed_layout(anchors, row_positions, doc_ids)
     assert positions[0, 10:].tolist() == [3, 4, 5, 6]
-    mask = block_attention_mask(anchors, 10, BLOCK, doc_ids=doc_ids)
     packed = drafter(noise, features, positions, attention_mask=mask)
     alone = drafter(noise, features[:, 5:8], torch.arange(3 + BLOCK)[None])
     torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
@@ -306,9 +314,12 @@ def test_gradients_reach_every_weight_with_checkpointing(target_config):
 
     model.train()
     plain = grads()
-    model.gradient_checkpointing_enable()
-    checkpointed = grads()
     assert set(plain) == WEIGHT_NAMES
-    for name, grad in plain.items():
-        assert grad.abs().sum() > 0, name
-        torch.testing.assert_close(checkpointed[name], grad, msg=name)
+    assert all(grad.abs().sum() > 0 for grad in plain.values())
+    # Reentrant checkpointing drops parameter gradients of a layer none of whose positional inputs need grad;
+    # the context (fc output) always does, even though the block embeddings come from the frozen target.
+    for reentrant in (False, True):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        checkpointed = grads()
+        for name, grad in plain.items():
+            torch.testing.assert_close(checkpointed[name], grad, msg=f"{name} (use_reentrant={reentrant})")

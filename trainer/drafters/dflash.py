@@ -261,6 +261,9 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
 class DFlashDraftModel(Qwen3PreTrainedModel):
     """The DFlash drafter: ``fc`` + ``hidden_norm`` over target features, Qwen3-style layers, final ``norm``."""
 
+    # The main input is the block's embeddings (taken from the target), not token ids: the drafter has no
+    # embedding table for activation checkpointing to hook.
+    main_input_name = "noise_embedding"
     _no_split_modules: ClassVar[list[str]] = ["DFlashDecoderLayer"]
     # The attention calls torch's SDPA directly (exact with an additive mask); other kernels are not wired in.
     _supports_flash_attn = False
@@ -303,8 +306,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
         use_cache: bool = False,
+        return_prenorm: bool = False,
     ) -> torch.Tensor:
-        """Draft hidden states for the query positions. Shape: (B, Q, H).
+        """Draft hidden states for the query positions, after the final ``norm``. Shape: (B, Q, H).
 
         - ``noise_embedding`` (B, Q, H): the target's input embeddings of the block tokens (anchor, MASK, ...);
           in training, several blocks concatenated along Q.
@@ -315,12 +319,14 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         - ``attention_mask``: ``None`` lets every query see every key (inference: one block after its context),
           or a mask (B, 1, Q, P + C + Q) over the P cached and C + Q new keys, additive float (``0`` /
           ``finfo.min``) or boolean (``True`` = may attend). Training builds one with
-          :func:`block_attention_mask`.
+          :func:`trainer.training.blocks.block_attention_mask`.
         - ``past_key_values``: a ``DynamicCache`` that receives the new context and block keys of every layer
           and supplies the cached ones. Keep the context, drop the block after drafting:
           ``past_key_values.crop(-Q)`` (transformers 5.24 takes the negative count to remove).
         - ``use_cache``: must be set with a cache (a cache passed in is always updated, as in the reference);
           without one there is nowhere to keep the keys, since the drafter returns only hidden states.
+        - ``return_prenorm``: return the last layer's output before ``norm`` (TreeFlash corrects that ``h`` and
+          normalises afterwards); ``self.norm`` of it is the default output.
         """
         if use_cache and past_key_values is None:
             raise ValueError("use_cache=True needs a DynamicCache in past_key_values: the drafter returns only states")
@@ -349,7 +355,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             hidden_states = layer(
                 hidden_states, context, position_embeddings, attention_mask=attention_mask, cache=past_key_values
             )
-        return self.norm(hidden_states)
+        return hidden_states if return_prenorm else self.norm(hidden_states)
 
 
 def _as_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -358,44 +364,3 @@ def _as_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
     # finfo(float32).min overflows to -inf in float16; clamp keeps it finite.
     return mask.to(dtype).clamp_min(torch.finfo(dtype).min)
-
-
-def block_position_ids(context_position_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Positions for a training forward with N blocks. Shape: (B, C), (B, N) -> (B, C + N * block_size).
-
-    ``anchors`` are indices into the context row; block ``b`` sits at positions ``pos[anchor_b] + 0..bs-1``, so
-    packed rows whose positions restart per sample give every block the positions of its own sample.
-    """
-    # Shape: (B, N, block_size)
-    block = context_position_ids.gather(1, anchors)[..., None] + torch.arange(block_size, device=anchors.device)
-    return torch.cat([context_position_ids, block.flatten(1)], dim=1)
-
-
-def block_attention_mask(
-    anchors: torch.Tensor,
-    context_len: int,
-    block_size: int,
-    doc_ids: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """The training mask for N blocks in one forward. Shape: anchors (B, N) -> (B, 1, N * bs, C + N * bs).
-
-    Block ``b`` sees the context keys ``j < anchors[b]`` (the anchor's own features are not known at inference
-    time) and, bidirectionally, the keys of its own block; never another block. With ``doc_ids`` (B, C) of a
-    packed row, the context keys must also belong to the anchor's sample. Additive: ``0`` / ``finfo.min``.
-    """
-    batch, num_blocks = anchors.shape
-    device = anchors.device
-    j = torch.arange(context_len, device=device)
-    # Shape: (B, N, C)
-    sees_context = j[None, None, :] < anchors[..., None]
-    if doc_ids is not None:
-        sees_context &= doc_ids[:, None, :] == doc_ids.gather(1, anchors)[..., None]
-    # Shape: (N, N) -> every query of block b sees every key of block b
-    own_block = torch.eye(num_blocks, dtype=torch.bool, device=device)
-    # Shape: (B, N*bs, C) and (B, N*bs, N*bs)
-    sees_context = sees_context.repeat_interleave(block_size, dim=1)
-    sees_block = own_block.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1).expand(batch, -1, -1)
-    allowed = torch.cat([sees_context, sees_block], dim=2)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
