@@ -66,6 +66,18 @@ class TrainerCLI(LightningCLI):
             super().parse_arguments(parser, args)
         except ArgumentError as e:
             raise RecipeError(explain_parse_error(str(e), self._recipe_path)) from None
+        config = self.config[self._command]
+        if config.get("ckpt_path") == "last":
+            config.ckpt_path = str(last_checkpoint(Path(config.trainer.default_root_dir or ".")))
+
+
+def last_checkpoint(root: Path) -> Path:
+    """The newest whole checkpoint of any run under ``root`` (checkpoints are written atomically, so a kill
+    during a save leaves the previous one newest); an error, not a silent fresh start, when there is none."""
+    found = [p for p in root.glob("**/checkpoints/*.ckpt") if p.is_file()]
+    if not found:
+        raise UserError(f"--ckpt_path last: no checkpoint under {root}; start without --ckpt_path to train anew")
+    return max(found, key=lambda p: p.stat().st_mtime_ns)
 
 
 def explain_parse_error(message: str, recipe_path: Path) -> str:

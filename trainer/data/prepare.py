@@ -170,6 +170,7 @@ class DraftData(L.LightningDataModule):
             raise UserError("data.features is 'offline' but data.cache_dir is not set")
         self.tokenizer = load_tokenizer(spec.tokenizer)
         self._datasets: dict[str, Dataset] = {}
+        self._resume: dict[str, int] | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if self._datasets:
@@ -198,13 +199,24 @@ class DraftData(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         """Shuffled by (seed, epoch); after a resume it starts at the batch the checkpoint had reached."""
         self.setup()
-        epoch, skip_batches = 0, 0
-        if self.trainer is not None:
-            epoch = self.trainer.current_epoch
-            skip_batches = self.trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        skip_batches = 0
+        if self._resume is not None and self._resume["epoch"] == epoch:
+            skip_batches = self._resume["batches"]
+        self._resume = None
         n = len(self._datasets["train"])
         skip = min(n, skip_batches * self.batch_size)
         return self._loader("train", ResumableSampler(n, self.spec.seed, epoch, skip))
+
+    def state_dict(self) -> dict[str, int]:
+        """Saved in every checkpoint: the epoch and how many of its batches the run had taken."""
+        if self.trainer is None:
+            return {}
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
+        return {"epoch": self.trainer.current_epoch, "batches": progress.ready}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self._resume = dict(state_dict) if state_dict else None
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("validation")
