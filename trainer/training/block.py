@@ -157,8 +157,14 @@ class BlockDrafterTraining(L.LightningModule):
             for depth, value in enumerate(values):
                 if depth > 0 and table["count"][depth] > 0:
                     self.log(f"val_depth/{key}/d{depth:02d}", value, sync_dist=True)
+        if self.trainer.state.fn == "validate" and self.trainer.is_global_zero:
+            self.print_depth_table()
 
-    def print_depth_table(self, names: list[str]) -> None:
+    # The distributions whose per-depth metrics are tracked, in table order.
+    depth_names: tuple[str, ...] = ()
+
+    def print_depth_table(self) -> None:
+        names = self.depth_names
         table = self.depth_table()
         if not table:
             return

@@ -77,6 +77,8 @@ class DFlashTraining(BlockDrafterTraining):
         )
         self.save_hyperparameters()
 
+    depth_names = ("dflash",)
+
     def build_drafter(self, target_config: PretrainedConfig) -> DFlashDraftModel:
         hp = self.hparams
         if hp.init_from:
@@ -128,5 +130,5 @@ class DFlashTraining(BlockDrafterTraining):
 
     def on_fit_end(self) -> None:
         if self.trainer.is_global_zero:
-            self.print_depth_table(["dflash"])
+            self.print_depth_table()
             print(f"DFlash drafter -> {self.export(self.drafter)}")

@@ -73,6 +73,8 @@ class TreeFlashTraining(BlockDrafterTraining):
         )
         self.save_hyperparameters()
 
+    depth_names = ("dflash", "treeflash")
+
     def build_drafter(self, target_config: PretrainedConfig) -> TreeFlashDraftModel:
         source = str(project_path(self.hparams.backbone))
         try:
@@ -119,5 +121,5 @@ class TreeFlashTraining(BlockDrafterTraining):
 
     def on_fit_end(self) -> None:
         if self.trainer.is_global_zero:
-            self.print_depth_table(["dflash", "treeflash"])
+            self.print_depth_table()
             print(f"TreeFlash drafter -> {self.export(self.drafter)}")
