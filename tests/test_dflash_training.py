@@ -1,0 +1,89 @@
+import json
+
+import lightning as L
+import pytest
+import torch
+from conftest import TINY_TARGET
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from trainer.data.prepare import DataSpec, DraftData
+from trainer.drafters.dflash import DFlashDraftModel
+from trainer.tiny.corpus import list_modules
+from trainer.training.dflash import DFlashTraining
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dflash_train")
+    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
+    Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    (root / "text").mkdir()
+    for m in list_modules("validation")[:12]:
+        (root / "text" / f"{m.name}.py").write_bytes(m.path.read_bytes())
+    return root
+
+
+@pytest.mark.parametrize("loss", ["ce", "kl"])
+def test_dflash_fit_learns_and_exports_reference_format(dirs, tmp_path, loss):
+    spec = DataSpec(
+        paths=[str(dirs / "text")],
+        format="text",
+        tokenizer=str(dirs / "target"),
+        max_length=128,
+        validation_fraction=0.2,
+    )
+    module = DFlashTraining(
+        target=str(dirs / "target"),
+        num_layers=2,
+        block_size=8,
+        max_anchors=8,
+        loss=loss,
+        lr=3e-3,
+        warmup_steps=1,
+        export_dir=str(tmp_path / "hf"),
+    )
+    losses = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=15,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        enable_model_summary=False,
+        reload_dataloaders_every_n_epochs=1,
+        callbacks=[Record()],
+    )
+    trainer.fit(module, datamodule=DraftData(spec, batch_size=2))
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+    # The drafter reads target layers by §1's rule (8 target layers, 2 drafter layers → [1, 5]).
+    assert module.target.layer_ids == [1, 5]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 8
+    assert config["dflash_config"] == {
+        "mask_token_id": AutoTokenizer.from_pretrained(TINY_TARGET).mask_token_id,
+        "target_layer_ids": [1, 5],
+    }
+    exported = DFlashDraftModel.from_pretrained(str(tmp_path / "hf"))
+    assert torch.equal(exported.fc.weight, module.drafter.fc.weight)
+    # The frozen target never trains and is not part of the checkpoint.
+    assert not any(p.requires_grad for p in module.target.parameters())
+    assert not any(k.startswith("target.") for k in module.state_dict())
