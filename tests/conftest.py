@@ -28,3 +28,34 @@ def tiny_qwen3() -> Qwen3ForCausalLM:
         attn_implementation="sdpa",
     )
     return Qwen3ForCausalLM(config).eval()
+
+
+def make_tiny_target(out: Path, num_layers: int = 8, seed: int = 0) -> Qwen3Config:
+    """Save a config-built Qwen3 target (hidden 32) with the project tokenizer into ``out``; its config."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
+    Qwen3ForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return config
+
+
+def copy_stdlib(out: Path, n: int, split: str = "validation") -> Path:
+    """The first ``n`` modules of a stdlib split as .py files in ``out`` (a small text data set)."""
+    from trainer.tiny.corpus import list_modules
+
+    out.mkdir(parents=True, exist_ok=True)
+    for m in list_modules(split)[:n]:
+        (out / f"{m.name}.py").write_bytes(m.path.read_bytes())
+    return out

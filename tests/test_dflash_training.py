@@ -3,35 +3,19 @@ import json
 import lightning as L
 import pytest
 import torch
-from conftest import TINY_TARGET
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from conftest import TINY_TARGET, copy_stdlib, make_tiny_target
+from transformers import AutoTokenizer
 
 from trainer.data.prepare import DataSpec, DraftData
 from trainer.drafters.dflash import DFlashDraftModel
-from trainer.tiny.corpus import list_modules
 from trainer.training.dflash import DFlashTraining
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dflash_train")
-    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=True,
-    )
-    Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    (root / "text").mkdir()
-    for m in list_modules("validation")[:12]:
-        (root / "text" / f"{m.name}.py").write_bytes(m.path.read_bytes())
+    make_tiny_target(root / "target")
+    copy_stdlib(root / "text", 12)
     return root
 
 

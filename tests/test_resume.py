@@ -9,12 +9,11 @@ import time
 import pytest
 import torch
 import yaml
-from conftest import ROOT, TINY_TARGET
+from conftest import ROOT, TINY_TARGET, copy_stdlib, make_tiny_target
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoTokenizer
 
 from trainer.drafters.dflash import DFlashDraftModel, build_config
-from trainer.tiny.corpus import list_modules
 
 STEPS = 24
 
@@ -22,24 +21,10 @@ STEPS = 24
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
-    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
-    torch.manual_seed(0)
-    tcfg = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=True,
-    )
-    Qwen3ForCausalLM(tcfg).save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    DFlashDraftModel(build_config(tcfg, 1, 8, tok.mask_token_id)).save_pretrained(root / "dflash")
-    (root / "text").mkdir()
-    for m in list_modules("validation")[:20]:
-        (root / "text" / f"{m.name}.py").write_bytes(m.path.read_bytes())
+    tcfg = make_tiny_target(root / "target")
+    mask_id = AutoTokenizer.from_pretrained(TINY_TARGET).mask_token_id
+    DFlashDraftModel(build_config(tcfg, 1, 8, mask_id)).save_pretrained(root / "dflash")
+    copy_stdlib(root / "text", 20)
     r = yaml.safe_load((ROOT / "recipes" / "treeflash_tiny.yaml").read_text())
     r["trainer"].update(
         max_steps=STEPS, log_every_n_steps=1, val_check_interval=STEPS, limit_val_batches=1, enable_progress_bar=False

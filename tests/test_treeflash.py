@@ -3,14 +3,13 @@ import json
 import lightning as L
 import pytest
 import torch
-from conftest import TINY_TARGET
+from conftest import TINY_TARGET, copy_stdlib, make_tiny_target
 from safetensors import safe_open
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoTokenizer
 
 from trainer.data.prepare import DataSpec, DraftData
 from trainer.drafters.dflash import DFlashDraftModel, build_config
 from trainer.drafters.treeflash import TreeFlashDraftModel
-from trainer.tiny.corpus import list_modules
 from trainer.training.treeflash import TreeFlashTraining
 
 
@@ -18,24 +17,10 @@ from trainer.training.treeflash import TreeFlashTraining
 def setup_dirs(tmp_path_factory):
     """A config-built 8-layer target (with the project tokenizer), a random DFlash backbone, and text data."""
     root = tmp_path_factory.mktemp("tf")
-    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
-    torch.manual_seed(0)
-    tcfg = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=True,
-    )
-    Qwen3ForCausalLM(tcfg).save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    DFlashDraftModel(build_config(tcfg, 1, 8, tok.mask_token_id)).save_pretrained(root / "dflash")
-    (root / "text").mkdir()
-    for m in list_modules("validation")[:12]:
-        (root / "text" / f"{m.name}.py").write_bytes(m.path.read_bytes())
+    tcfg = make_tiny_target(root / "target")
+    mask_id = AutoTokenizer.from_pretrained(TINY_TARGET).mask_token_id
+    DFlashDraftModel(build_config(tcfg, 1, 8, mask_id)).save_pretrained(root / "dflash")
+    copy_stdlib(root / "text", 12)
     return root
 
 

@@ -11,7 +11,6 @@ At the end of ``fit`` the model and its tokenizer are written as an HF directory
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import shutil
 import sys
@@ -26,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
 from trainer.errors import UserError
+from trainer.optim import adamw_warmup_cosine
 from trainer.paths import project_path
 from trainer.tiny.corpus import Split, list_modules, read_module
 
@@ -227,24 +227,16 @@ class TargetPretraining(L.LightningModule):
         self.log("val/loss", self._loss(batch), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self):
-        decay = [p for p in self.model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hparams.lr,
+        hp = self.hparams
+        return adamw_warmup_cosine(
+            self.model.parameters(),
+            hp.lr,
+            hp.weight_decay,
+            hp.warmup_steps,
+            self.trainer.estimated_stepping_batches,
+            hp.min_lr_ratio,
             betas=(0.9, 0.95),
         )
-        total = max(1, self.trainer.estimated_stepping_batches)
-        warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
-
-        def lr_factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_fit_end(self) -> None:
         if self.trainer.is_global_zero:

@@ -7,7 +7,6 @@ was read from a feature cache (offline); its embedding and LM head are used eith
 
 from __future__ import annotations
 
-import math
 import shutil
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from transformers import PretrainedConfig
 from trainer.data.features import with_features
 from trainer.errors import UserError
 from trainer.losses import forward_kl_topk, topk_coverage, tvd_topk
+from trainer.optim import adamw_warmup_cosine
 from trainer.paths import project_path
 from trainer.target import Target, load_causal_lm
 from trainer.training.blocks import Blocks, block_attention_mask, make_blocks, sample_anchors, slot_weights
@@ -187,23 +187,10 @@ class BlockDrafterTraining(L.LightningModule):
         params = self.trainable_parameters()
         if not params:
             raise UserError("nothing to train: every drafter parameter is frozen")
-        decay = [p for p in params if p.ndim >= 2]
-        no_decay = [p for p in params if p.ndim < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hparams.lr,
+        hp = self.hparams
+        return adamw_warmup_cosine(
+            params, hp.lr, hp.weight_decay, hp.warmup_steps, self.trainer.estimated_stepping_batches, hp.min_lr_ratio
         )
-        total = max(1, self.trainer.estimated_stepping_batches)
-        warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def state_dict(self, *args, **kwargs):
         # The frozen target is rebuilt from its path; checkpoints hold the drafter only.
