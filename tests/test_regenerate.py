@@ -247,3 +247,20 @@ def test_user_errors(model_dir: Path, chats: Path, tmp_path: Path) -> None:
         regenerate(str(model_dir), [str(chats)], str(tmp_path / "out.jsonl"), temperature=-1.0)
     with pytest.raises(UserError, match="inside the input"):
         regenerate(str(model_dir), [str(chats.parent)], str(chats.parent / "regen.jsonl"))
+
+
+def test_regeneration_on_the_shipped_tiny_target(chats: Path, tmp_path: Path) -> None:
+    target = ROOT / "checkpoints" / "target_tiny"
+    out = run(target, chats, tmp_path / "tiny.jsonl", batch_size=3)
+    rows = records(out)
+    assert len(rows) == 5
+    originals = [c for c in CONVERSATIONS if "messages" in c or "conversations" in c]
+    for row, original in zip(rows, originals, strict=True):
+        turns = original.get("messages") or original["conversations"]
+        assert len(row["messages"]) == len(turns)
+        for new, old in zip(row["messages"], turns, strict=True):
+            if new["role"] != "assistant":
+                assert new["content"] == old.get("content", old.get("value"))
+            else:
+                assert "<|im_end|>" not in new["content"]
+    assert any(m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant")

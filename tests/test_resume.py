@@ -29,7 +29,7 @@ def recipe(tmp_path_factory):
     r["trainer"].update(
         max_steps=STEPS, log_every_n_steps=1, val_check_interval=STEPS, limit_val_batches=1, enable_progress_bar=False
     )
-    r["trainer"]["callbacks"][0]["init_args"]["every_n_train_steps"] = 8
+    r["trainer"]["callbacks"][0]["init_args"]["every_n_train_steps"] = 3
     r["model"]["init_args"].update(target=str(root / "target"), backbone=str(root / "dflash"), max_anchors=8)
     r["data"]["init_args"]["spec"].update(
         paths=[str(root / "text")], tokenizer=str(root / "target"), max_length=128, validation_fraction=0.1
@@ -80,7 +80,8 @@ def test_sigkill_then_resume_follows_the_same_curve(recipe, tmp_path):
     killed.wait()
     newest = max(ckpt.glob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns)
     resumed_from = torch.load(newest, map_location="cpu", weights_only=False)["global_step"]
-    assert 0 < resumed_from < STEPS
+    # Killed early in the epoch: the resumed run must take the rest of that epoch in the same order.
+    assert 0 < resumed_from < STEPS - 9
     assert straight.wait(timeout=600) == 0, straight.communicate()[1][-2000:]
     resumed = fit(recipe, tmp_path / "killed", "--ckpt_path", "last")
     assert resumed.wait(timeout=600) == 0, resumed.communicate()[1][-2000:]

@@ -42,7 +42,6 @@ from trainer.target import Target
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "validation")
-FEATURE_DTYPE = np.float16
 COLUMNS = {
     "input_ids": pa.int32(),
     "loss_mask": pa.int8(),
@@ -72,18 +71,36 @@ def _write_shard(path: Path, columns: dict[str, list[np.ndarray]]) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
         writer.write_batch(batch)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def _manifest_config(target: str, layers: list[int], topk: int, spec: DataSpec) -> dict:
+def _manifest_config(target: str, layers: list[int], topk: int, spec: DataSpec, shard_rows: int) -> dict:
     return {
         "format_version": FORMAT_VERSION,
         "target": target,
         "layers": list(layers),
         "topk": topk,
+        "shard_rows": shard_rows,
         "feature_dtype": "float16",
         "spec": asdict(spec),
     }
+
+
+def _write_manifest(path: Path, manifest: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, path)
+
+
+def _read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads(path.read_text())
+        manifest["config"]["format_version"], manifest["complete"], manifest["rows"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise UserError(f"{path} is not a feature-cache manifest ({type(e).__name__}: {e}); delete the cache") from None
+    return manifest
 
 
 def cache_features(
@@ -111,10 +128,10 @@ def cache_features(
         draft_vocab_size: also write d2t/t2d for a reduced draft vocabulary of this size.
     """
     out_dir = Path(out)
-    config = _manifest_config(target, layers, topk, spec)
+    config = _manifest_config(target, layers, topk, spec, shard_rows)
     manifest_path = out_dir / "manifest.json"
     if manifest_path.exists():
-        old = json.loads(manifest_path.read_text())
+        old = _read_manifest(manifest_path)
         if old["config"] != config:
             diff = sorted(k for k in config if old["config"].get(k) != config[k])
             raise UserError(
@@ -132,7 +149,7 @@ def cache_features(
         "complete": False,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    manifest_path.write_text(json.dumps(manifest, indent=1))
+    _write_manifest(manifest_path, manifest)
     if draft_vocab_size:
         DraftVocab.from_rows(prepared.train, len(tokenizer), draft_vocab_size).save(out_dir / "draft_vocab.safetensors")
 
@@ -149,7 +166,7 @@ def cache_features(
                     _write_shard(path, _compute(model, chunk, topk, batch_size, pad))
                 progress.advance(task, len(chunk))
     manifest["complete"] = True
-    manifest_path.write_text(json.dumps(manifest, indent=1))
+    _write_manifest(manifest_path, manifest)
     size = sum(p.stat().st_size for p in out_dir.rglob("*.arrow"))
     tokens = sum(manifest["tokens"].values())
     print(f"cached {total} rows, {tokens} tokens, {size / tokens:.0f} bytes/token -> {out_dir}")
@@ -218,7 +235,7 @@ class FeatureCache:
         path = root / "manifest.json"
         if not path.is_file():
             raise UserError(f"no feature cache at {root} (missing manifest.json); build it with trainer data cache")
-        self.manifest = json.loads(path.read_text())
+        self.manifest = _read_manifest(path)
         config = self.manifest["config"]
         if config["format_version"] != FORMAT_VERSION:
             raise UserError(f"feature cache {root} has format {config['format_version']}, expected {FORMAT_VERSION}")
@@ -231,7 +248,7 @@ class FeatureCache:
 
     def split(self, name: str) -> CachedSplit:
         shards = sorted((self.root / name).glob("shard-*.arrow"))
-        expected = math.ceil(self.manifest["rows"][name] / self.manifest["shard_rows"])
+        expected = math.ceil(self.manifest["rows"][name] / self.manifest["config"]["shard_rows"])
         if len(shards) != expected:
             raise UserError(f"feature cache {self.root}/{name} has {len(shards)} shards, manifest says {expected}")
         first = pa.ipc.open_file(pa.memory_map(str(shards[0]), "r")).read_all()

@@ -73,13 +73,22 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
         raise UserError(f"cannot load tokenizer '{name_or_path}': {e}") from None
 
 
+def _chunks(sample: Rendered, max_length: int) -> list[Rendered]:
+    """A long text document as consecutive ``max_length`` pieces (every token of a file gets trained on)."""
+    return [
+        Rendered(sample.input_ids[i : i + max_length], sample.loss_mask[i : i + max_length], sample.text)
+        for i in range(0, len(sample.input_ids), max_length)
+    ]
+
+
 def _render_all(spec: DataSpec, tokenizer: PreTrainedTokenizerBase, rows: Any) -> tuple[list[Rendered], int]:
     out, dropped = [], 0
     for row in rows:
-        if spec.format == "chat":
-            sample = render_chat(tokenizer, row["messages"], **spec.chat_template_kwargs)
-        else:
-            sample = render_text(tokenizer, row["text"])
+        if spec.format == "text":
+            # Text has no turn structure to respect: long files are cut into rows rather than truncated.
+            out += _chunks(render_text(tokenizer, row["text"]), spec.max_length)
+            continue
+        sample = render_chat(tokenizer, row["messages"], **spec.chat_template_kwargs)
         if len(sample.input_ids) > spec.max_length:
             if not spec.truncation:
                 dropped += 1
@@ -137,7 +146,9 @@ class ResumableSampler(Sampler[int]):
         yield from order[self.skip :].tolist()
 
     def __len__(self) -> int:
-        return self.n - self.skip
+        # The full epoch: after a resume Lightning counts the batches already taken (restored from the
+        # checkpoint) towards it, and ends the epoch when this many have been taken in all.
+        return self.n
 
 
 class DraftData(L.LightningDataModule):
@@ -171,6 +182,7 @@ class DraftData(L.LightningDataModule):
         self.tokenizer = load_tokenizer(spec.tokenizer)
         self._datasets: dict[str, Dataset] = {}
         self._resume: dict[str, int] | None = None
+        self.feature_cache = None
 
     def setup(self, stage: str | None = None) -> None:
         if self._datasets:
@@ -178,10 +190,15 @@ class DraftData(L.LightningDataModule):
         if self.features == "offline":
             from trainer.data.cache import FeatureCache
 
-            cache = FeatureCache(Path(self.cache_dir), expect_spec=self.spec)
-            self._datasets = {"train": cache.split("train"), "validation": cache.split("validation")}
+            self.feature_cache = FeatureCache(Path(self.cache_dir), expect_spec=self.spec)
+            self._datasets = {s: self.feature_cache.split(s) for s in ("train", "validation")}
         else:
             prepared = prepare(self.spec, self.tokenizer)
+            if prepared.report.malformed or prepared.dropped_too_long:
+                print(
+                    f"data: {prepared.report.summary()}; {prepared.dropped_too_long} samples longer than "
+                    f"max_length {self.spec.max_length} dropped (truncation: false)"
+                )
             self._datasets = {"train": RowDataset(prepared.train), "validation": RowDataset(prepared.validation)}
 
     def _loader(self, split: str, sampler: Sampler[int] | None = None) -> DataLoader:

@@ -52,26 +52,24 @@ class TreeFlashDraftModel(Qwen3PreTrainedModel):
         tf = dict(getattr(config, "treeflash_config", None) or {})
         tf.setdefault("ar_approximation", "swiglu")
         tf.setdefault("candidate_tokens", 16)
-        tf.setdefault("intermediate_size", config.intermediate_size)
         if tf["ar_approximation"] != "swiglu":
             raise ValueError(f"unsupported ar_approximation {tf['ar_approximation']!r}; only 'swiglu' exists")
         config.treeflash_config = tf
         config.architectures = ["TreeFlashDraftModel"]
         self.model = DFlashDraftModel(config)
-        self.ar_approximation = SwiGLUApproximator(config.hidden_size, tf["intermediate_size"])
+        # The approximator is as wide as the backbone's MLP (the reference sizes it from the same config).
+        self.ar_approximation = SwiGLUApproximator(config.hidden_size, config.intermediate_size)
         self.post_init()
         # post_init re-initialises Linear layers; the approximator must start as the identity.
         nn.init.zeros_(self.ar_approximation.d.weight)
 
     @classmethod
-    def from_dflash(cls, backbone: DFlashDraftModel | str, intermediate_size: int | None = None) -> TreeFlashDraftModel:
+    def from_dflash(cls, backbone: DFlashDraftModel | str) -> TreeFlashDraftModel:
         """A TreeFlash drafter whose backbone is a copy of a DFlash drafter (object or directory)."""
         if isinstance(backbone, str):
             backbone = DFlashDraftModel.from_pretrained(backbone, dtype=torch.float32)
         config = Qwen3Config.from_dict(backbone.config.to_dict())
         config.treeflash_config = {"ar_approximation": "swiglu", "candidate_tokens": 16}
-        if intermediate_size is not None:
-            config.treeflash_config["intermediate_size"] = intermediate_size
         model = cls(config)
         model.model.load_state_dict(backbone.state_dict())
         return model

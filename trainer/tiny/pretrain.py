@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Literal
@@ -25,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
 from trainer.errors import UserError
+from trainer.export_util import save_hf_dir
 from trainer.optim import adamw_warmup_cosine
 from trainer.paths import project_path
 from trainer.tiny.corpus import Split, list_modules, read_module
@@ -245,16 +245,15 @@ class TargetPretraining(L.LightningModule):
 
 
 def export_hf(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerBase, out: Path, dtype: torch.dtype) -> None:
-    """Write model and tokenizer as an HF directory; a crash never leaves a half-written ``out``."""
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    """Write model (in ``dtype``) and tokenizer as an HF directory; a crash never leaves a half-written ``out``."""
     original_dtype = next(model.parameters()).dtype
-    model.to(dtype)
-    try:
-        model.save_pretrained(tmp)
-    finally:
-        model.to(original_dtype)
-    tokenizer.save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+
+    def save(tmp: Path) -> None:
+        model.to(dtype)
+        try:
+            model.save_pretrained(tmp)
+        finally:
+            model.to(original_dtype)
+        tokenizer.save_pretrained(tmp)
+
+    save_hf_dir(out, save)

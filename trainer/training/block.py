@@ -7,7 +7,6 @@ was read from a feature cache (offline); its embedding and LM head are used eith
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import lightning as L
@@ -18,6 +17,7 @@ from transformers import PretrainedConfig
 
 from trainer.data.features import with_features
 from trainer.errors import UserError
+from trainer.export_util import save_hf_dir
 from trainer.losses import forward_kl_topk, topk_coverage, tvd_topk
 from trainer.optim import adamw_warmup_cosine
 from trainer.paths import project_path
@@ -28,20 +28,8 @@ from trainer.training.blocks import Blocks, block_attention_mask, make_blocks, s
 class BlockDrafterTraining(L.LightningModule):
     """Base of block-drafter LightningModules (see the subclasses for the recipe arguments)."""
 
-    def __init__(
-        self,
-        target: str,
-        target_dtype: str,
-        gamma: float,
-        max_anchors: int,
-        topk: int,
-        lr: float,
-        weight_decay: float,
-        warmup_steps: int,
-        min_lr_ratio: float,
-        seed: int,
-        export_dir: str | None,
-    ) -> None:
+    def __init__(self) -> None:
+        # Subclasses call save_hyperparameters(); every argument below is read from self.hparams.
         super().__init__()
         self.target: Target | None = None
         self.drafter: torch.nn.Module | None = None
@@ -133,29 +121,29 @@ class BlockDrafterTraining(L.LightningModule):
             # Shape: (K,) sums over blocks
             total = (value * m).sum(dim=(0, 1)).detach().cpu()
             self._depth_sums[key] = self._depth_sums.get(key, 0) + total
-        self._depth_sums["count"] = self._depth_sums.get("count", 0) + m.sum(dim=(0, 1)).detach().cpu()
+        count = f"{name}/count"
+        self._depth_sums[count] = self._depth_sums.get(count, 0) + m.sum(dim=(0, 1)).detach().cpu()
 
     def on_validation_epoch_start(self) -> None:
         self._depth_sums = {}
 
     def depth_table(self) -> dict[str, list[float]]:
-        count = self._depth_sums.get("count")
-        if count is None:
-            return {}
+        """Per-depth means ``{name/stat: [value at depth 0..K-1]}`` plus ``{name/count: [...]}``."""
         out = {}
         for key, total in self._depth_sums.items():
-            if key != "count":
-                out[key] = (total / count.clamp(min=1)).tolist()
-        out["count"] = count.tolist()
+            name, stat = key.split("/")
+            count = self._depth_sums[f"{name}/count"]
+            out[key] = total.tolist() if stat == "count" else (total / count.clamp(min=1)).tolist()
         return out
 
     def on_validation_epoch_end(self) -> None:
-        table = self.depth_table()
-        for key, values in table.items():
-            if key == "count":
+        for key, values in self.depth_table().items():
+            name, stat = key.split("/")
+            if stat == "count":
                 continue
+            counts = self._depth_sums[f"{name}/count"]
             for depth, value in enumerate(values):
-                if depth > 0 and table["count"][depth] > 0:
+                if depth > 0 and counts[depth] > 0:
                     self.log(f"val_depth/{key}/d{depth:02d}", value, sync_dist=True)
         if self.trainer.state.fn == "validate" and self.trainer.is_global_zero:
             self.print_depth_table()
@@ -173,8 +161,9 @@ class BlockDrafterTraining(L.LightningModule):
         for name in names:
             for stat in ("tvd", "top1", "top5"):
                 t.add_column(f"{name} {stat}")
-        for depth in range(1, len(table["count"])):
-            if table["count"][depth] == 0:
+        counts = table[f"{names[0]}/count"]
+        for depth in range(1, len(counts)):
+            if counts[depth] == 0:
                 continue
             t.add_row(str(depth), *[f"{table[f'{n}/{s}'][depth]:.3f}" for n in names for s in ("tvd", "top1", "top5")])
         Console().print(t)
@@ -204,12 +193,16 @@ class BlockDrafterTraining(L.LightningModule):
         return missing, unexpected
 
     def export(self, model: torch.nn.Module) -> Path:
-        """Write the drafter as an HF directory (``export_dir`` or ``<run>/hf``), atomically."""
+        """Write the drafter as an HF directory (``export_dir`` or ``<run>/hf``)."""
         out = Path(self.hparams.export_dir or Path(self.trainer.log_dir or ".") / "hf")
-        tmp = out.with_name(out.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        save_hf_dir(out, model.save_pretrained)
         return out
+
+    def on_fit_start(self) -> None:
+        datamodule = self.trainer.datamodule
+        cache = getattr(datamodule, "feature_cache", None)
+        if cache is not None and cache.manifest["config"]["layers"] != self.layer_ids:
+            raise UserError(
+                f"the feature cache {cache.root} holds target layers {cache.manifest['config']['layers']}, "
+                f"the drafter reads {self.layer_ids}; rebuild it with trainer data cache --layers '{self.layer_ids}'"
+            )

@@ -62,19 +62,7 @@ class DFlashTraining(BlockDrafterTraining):
         seed: int = 0,
         export_dir: str | None = None,
     ) -> None:
-        super().__init__(
-            target,
-            target_dtype,
-            gamma,
-            max_anchors,
-            topk,
-            lr,
-            weight_decay,
-            warmup_steps,
-            min_lr_ratio,
-            seed,
-            export_dir,
-        )
+        super().__init__()
         self.save_hyperparameters()
 
     depth_names = ("dflash",)

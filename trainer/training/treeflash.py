@@ -28,7 +28,6 @@ class TreeFlashTraining(BlockDrafterTraining):
         target: HF causal LM (directory or hub id) the backbone was trained for.
         backbone: DFlash checkpoint directory (reference format or ours) or a TreeFlash directory to continue.
         freeze_backbone: train only the approximator (the paper finds this about equal to full fine-tuning).
-        intermediate_size: approximator width I; default the backbone's MLP width.
         gamma: depth decay of the loss weights, ``w_k = exp(-(k-1)/gamma)``.
         max_anchors: blocks per training row.
         target_dtype: the target's compute dtype.
@@ -46,7 +45,6 @@ class TreeFlashTraining(BlockDrafterTraining):
         target: str,
         backbone: str,
         freeze_backbone: bool = True,
-        intermediate_size: int | None = None,
         gamma: float = 7.0,
         max_anchors: int = 32,
         target_dtype: str = "float32",
@@ -58,19 +56,7 @@ class TreeFlashTraining(BlockDrafterTraining):
         seed: int = 0,
         export_dir: str | None = None,
     ) -> None:
-        super().__init__(
-            target,
-            target_dtype,
-            gamma,
-            max_anchors,
-            topk,
-            lr,
-            weight_decay,
-            warmup_steps,
-            min_lr_ratio,
-            seed,
-            export_dir,
-        )
+        super().__init__()
         self.save_hyperparameters()
 
     depth_names = ("dflash", "treeflash")
@@ -85,7 +71,7 @@ class TreeFlashTraining(BlockDrafterTraining):
             model = TreeFlashDraftModel.from_pretrained(source, dtype=torch.float32)
         else:
             backbone = DFlashDraftModel.from_pretrained(source, dtype=torch.float32)
-            model = TreeFlashDraftModel.from_dflash(backbone, self.hparams.intermediate_size)
+            model = TreeFlashDraftModel.from_dflash(backbone)
         model.model.requires_grad_(not self.hparams.freeze_backbone)
         return model
 
