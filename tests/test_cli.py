@@ -156,3 +156,19 @@ def test_help_lists_commands_and_recipes(capsys):
     main([])
     out = capsys.readouterr().out
     assert "fit" in out and "validate" in out and "target_tiny" in out
+
+
+def test_misspelt_key_inside_a_typed_group(capsys, tmp_path):
+    code, out = run_main(capsys, "fit", "--recipe", "dflash_tiny", "--data.spec.max_lenght", "5")
+    assert code == 2 and "unknown key 'data.spec.max_lenght'" in out and "did you mean: data.spec.max_length" in out
+    recipe = yaml.safe_load((ROOT / "recipes" / "dflash_tiny.yaml").read_text())
+    recipe["data"]["init_args"]["spec"]["pathz"] = recipe["data"]["init_args"]["spec"].pop("paths")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    code, out = run_main(capsys, "fit", "--recipe", str(path))
+    assert code == 2 and "data.init_args.spec.pathz" in out and "did you mean: data.init_args.spec.paths" in out
+
+
+def test_validate_needs_a_checkpoint(capsys):
+    code, out = run_main(capsys, "validate", "--recipe", "target_tiny")
+    assert code == 2 and "--ckpt_path" in out

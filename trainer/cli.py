@@ -67,6 +67,8 @@ class TrainerCLI(LightningCLI):
         except ArgumentError as e:
             raise RecipeError(explain_parse_error(str(e), self._recipe_path)) from None
         config = self.config[self._command]
+        if self._command == "validate" and not config.get("ckpt_path"):
+            raise UserError("trainer validate needs --ckpt_path PATH|last: validating untrained weights says nothing")
         if config.get("ckpt_path") == "last":
             config.ckpt_path = str(last_checkpoint(Path(config.trainer.default_root_dir or ".")))
 

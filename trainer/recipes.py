@@ -8,10 +8,12 @@ so that a typo fails in milliseconds with one screen of text instead of after a 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
 import os
+import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,16 +96,26 @@ def parse_overrides(args: list[str]) -> list[Override]:
     return out
 
 
-def _class_params(class_path: str) -> tuple[list[str], bool] | None:
-    """Init parameter names of ``class_path`` and whether it takes ``**kwargs``; None if it cannot import."""
+def _class_params(class_path: str) -> tuple[dict[str, Any], bool] | None:
+    """Init parameters of ``class_path`` (name → annotation) and whether it takes ``**kwargs``; None if it
+    cannot be imported."""
     module_name, _, attr = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError):
         return None
+    hints = typing.get_type_hints(cls.__init__)
     params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"]
-    names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    names = {p.name: hints.get(p.name) for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     return names, any(p.kind == p.VAR_KEYWORD for p in params)
+
+
+def _nested_fields(annotation: Any) -> dict[str, Any] | None:
+    """Field name → annotation when ``annotation`` is a dataclass (a typed nested group), else None."""
+    if dataclasses.is_dataclass(annotation):
+        hints = typing.get_type_hints(annotation)
+        return {f.name: hints.get(f.name) for f in dataclasses.fields(annotation)}
+    return None
 
 
 def _unknown(key: str, valid: Iterable[str], where: str, recipe: Path, full_key: str) -> RecipeError:
@@ -149,10 +161,17 @@ def check_keys(recipe: dict[str, Any], overrides: list[Override], recipe_path: P
             params = _class_params(class_paths[head])
             if params is None:
                 raise RecipeError(f"{head}.class_path '{class_paths[head]}' cannot be imported (recipe {recipe_path})")
-            names, takes_kwargs = params
-            if rest[0] not in names and not takes_kwargs:
-                full = ".".join(parts[: len(parts) - len(rest) + 1])
-                raise _unknown(rest[0], names, where, recipe_path, full)
+            fields, takes_kwargs = params
+            if takes_kwargs:
+                return
+            offset = len(parts) - len(rest)
+            # Walk down typed dataclass groups (e.g. data.spec.max_length) as far as they go.
+            for depth, name in enumerate(rest):
+                if fields is None:
+                    return
+                if name not in fields:
+                    raise _unknown(name, fields, where, recipe_path, ".".join(parts[: offset + depth + 1]))
+                fields = _nested_fields(fields[name])
             return
         if key in parser_keys or len(parts) == 1:
             return
@@ -179,11 +198,20 @@ def _flatten(tree: dict[str, Any], class_paths: dict[str, str]) -> list[str]:
         if key in class_paths and isinstance(value, dict):
             for sub, subval in value.items():
                 if sub == "init_args" and isinstance(subval, dict):
-                    keys += [f"{key}.init_args.{arg}" for arg in subval]
+                    keys += _dotted(subval, f"{key}.init_args")
                 else:
                     keys.append(f"{key}.{sub}")
         elif isinstance(value, dict) and "class_path" not in value and key == "trainer":
             keys += [f"{key}.{sub}" for sub in value]
         else:
             keys.append(key)
+    return keys
+
+
+def _dotted(tree: dict[str, Any], prefix: str) -> list[str]:
+    """Every leaf path of a nested mapping (the checker decides how deep the schema goes)."""
+    keys = []
+    for k, v in tree.items():
+        path = f"{prefix}.{k}"
+        keys += _dotted(v, path) if isinstance(v, dict) and v else [path]
     return keys

@@ -131,7 +131,7 @@ def _expand(paths: Sequence[str | Path], suffixes: set[str]) -> list[Path]:
     return files
 
 
-def _finish(rows: list[dict], report: LoadReport, what: str, strict: bool) -> datasets.Dataset:
+def _finish(rows: list[dict], report: LoadReport, what: str) -> datasets.Dataset:
     report.kept = len(rows)
     if not rows:
         raise UserError(f"no usable {what} rows: {report.summary()}")
@@ -164,7 +164,7 @@ def load_chat(paths: Sequence[str | Path], strict: bool = False, report: LoadRep
             row = _record(place, rec, report, strict)
             if row is not None:
                 rows.append(row)
-    return _finish(rows, report, "conversation", strict)
+    return _finish(rows, report, "conversation")
 
 
 def load_text(paths: Sequence[str | Path], suffixes: Iterable[str] = TEXT_SUFFIXES) -> datasets.Dataset:
@@ -192,7 +192,7 @@ def load_text(paths: Sequence[str | Path], suffixes: Iterable[str] = TEXT_SUFFIX
             continue
         if text.strip():
             rows.append({"text": text, "source": str(path)})
-    return _finish(rows, report, "text", strict=False)
+    return _finish(rows, report, "text")
 
 
 def load_hub(name: str, split: str = "train", strict: bool = False) -> datasets.Dataset:
@@ -206,7 +206,7 @@ def load_hub(name: str, split: str = "train", strict: bool = False) -> datasets.
         ) from None
     report = LoadReport()
     rows = [r for i, rec in enumerate(raw) if (r := _record(f"{name}#{i}", rec, report, strict))]
-    return _finish(rows, report, "conversation", strict)
+    return _finish(rows, report, "conversation")
 
 
 def split_train_validation(

@@ -55,7 +55,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def _training_texts(batch_chars: int = 1 << 20) -> Iterator[str]:
+def _training_texts() -> Iterator[str]:
     for module in list_modules("train"):
         text = read_module(module)
         if text:
