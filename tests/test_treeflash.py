@@ -128,3 +128,14 @@ def test_unfrozen_backbone_changes_too(setup_dirs, tmp_path):
     module, before, _ = run_fit(setup_dirs, tmp_path, freeze=False, steps=3)
     after = module.drafter.state_dict()
     assert not torch.equal(after["model.fc.weight"], before["model.fc.weight"])
+
+
+def test_backbone_of_another_target_is_a_clear_error(setup_dirs, tmp_path):
+    from conftest import make_tiny_target
+
+    from trainer.errors import UserError
+
+    make_tiny_target(tmp_path / "small", num_layers=2)
+    module = TreeFlashTraining(target=str(tmp_path / "small"), backbone=str(setup_dirs / "dflash"))
+    with pytest.raises(UserError, match=r"does not fit the target .*layers"):
+        module.configure_model()

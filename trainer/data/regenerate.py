@@ -46,8 +46,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -55,10 +53,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from trainer.data.prepare import load_tokenizer
 from trainer.data.render import turn_end_marker
 from trainer.data.sources import LoadReport, load_chat
 from trainer.errors import UserError
-from trainer.target import resolve_dtype
+from trainer.target import load_causal_lm
 
 
 @dataclass
@@ -233,16 +232,11 @@ def _line_id(line: bytes) -> str | None:
 
 def load_target(target: str, dtype: str, device: torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The target model (eval mode, on ``device``) and its tokenizer from the same directory or hub id."""
-    torch_dtype = resolve_dtype(dtype)
-    where = "local directory" if Path(target).exists() else "no such local path, and not a reachable hub id"
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(target)
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load target '{target}' ({where}): {e}") from None
+    model = load_causal_lm(target, dtype, device=device)
+    tokenizer = load_tokenizer(target)
     # A blank config drops the target's hub sampling defaults; generate_batch passes everything it needs.
     model.generation_config = GenerationConfig()
-    return model.to(device).eval(), tokenizer
+    return model.eval(), tokenizer
 
 
 def _clean(message: dict[str, Any]) -> dict[str, Any]:

@@ -91,7 +91,11 @@ def normalise_messages(row: dict[str, Any]) -> list[dict[str, str]]:
 
 def _json_records(path: Path) -> Iterator[tuple[str, Any]]:
     """(place, record) for a JSON Lines file, or for a JSON file holding a list of records."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        yield f"{path}", MalformedRow(f"file is not UTF-8 ({e.reason} at byte {e.start})")
+        return
     stripped = text.lstrip()
     if path.suffix == ".json" and stripped.startswith("["):
         try:

@@ -25,6 +25,22 @@ from trainer.target import Target, load_causal_lm
 from trainer.training.blocks import Blocks, block_attention_mask, make_blocks, sample_anchors, slot_weights
 
 
+def check_drafter_fits(drafter: PretrainedConfig, target: PretrainedConfig, target_name: str) -> None:
+    """A drafter made for another target fails here with what differs, not deep inside a forward."""
+    dflash = drafter.dflash_config or {}
+    problems = []
+    if drafter.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {drafter.hidden_size} vs the target's {target.hidden_size}")
+    layer_ids = dflash.get("target_layer_ids") or []
+    if layer_ids and max(layer_ids) >= target.num_hidden_layers:
+        problems.append(f"target layer ids {layer_ids} but the target has {target.num_hidden_layers} layers")
+    mask = dflash.get("mask_token_id")
+    if mask is None or not 0 <= mask < target.vocab_size:
+        problems.append(f"mask token id {mask} outside the target's vocabulary of {target.vocab_size}")
+    if problems:
+        raise UserError(f"the drafter does not fit the target '{target_name}': " + "; ".join(problems))
+
+
 class BlockDrafterTraining(L.LightningModule):
     """Base of block-drafter LightningModules (see the subclasses for the recipe arguments)."""
 
@@ -44,6 +60,7 @@ class BlockDrafterTraining(L.LightningModule):
             return
         model = load_causal_lm(str(project_path(self.hparams.target)), self.hparams.target_dtype)
         self.drafter = self.build_drafter(model.config)
+        check_drafter_fits(self.dflash.config, model.config, self.hparams.target)
         self.target = Target(model, self.layer_ids)
 
     @property
