@@ -42,6 +42,8 @@ from trainer.target import Target
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "validation")
+# Cache rows are views of read-only mapped pages, never written; torch's warning about that is noise here.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 COLUMNS = {
     "input_ids": pa.int32(),
     "loss_mask": pa.int8(),
@@ -214,16 +216,13 @@ class CachedSplit(Dataset):
         shard, row = self._index[i]
         cols = self._columns[shard]
         out: dict = {}
-        with warnings.catch_warnings():
-            # The mapped pages are read-only; the tensors are views and never written.
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            for name, (offsets, values) in cols.items():
-                view = torch.from_numpy(values[offsets[row] : offsets[row + 1]])
-                if name == "features":
-                    view = view.view(-1, self.feature_dim)
-                elif name.startswith("teacher"):
-                    view = view.view(-1, self.topk)
-                out[name] = view
+        for name, (offsets, values) in cols.items():
+            view = torch.from_numpy(values[offsets[row] : offsets[row + 1]])
+            if name == "features":
+                view = view.view(-1, self.feature_dim)
+            elif name.startswith("teacher"):
+                view = view.view(-1, self.topk)
+            out[name] = view
         return out
 
 

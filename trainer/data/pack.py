@@ -60,7 +60,12 @@ def collate(rows: Sequence[dict], pad_id: int) -> dict[str, torch.Tensor]:
     width = max(len(r["input_ids"]) for r in rows)
 
     def padded(key: str, fill: int) -> torch.Tensor:
-        return torch.tensor([list(r[key]) + [fill] * (width - len(r[key])) for r in rows], dtype=torch.long)
+        out = torch.full((len(rows), width), fill, dtype=torch.long)
+        for i, r in enumerate(rows):
+            # Lists (online rows) and int32/int8 tensor views (cache rows) alike, one vectorised copy each.
+            values = torch.as_tensor(r[key])
+            out[i, : len(values)] = values
+        return out
 
     return {
         "input_ids": padded("input_ids", pad_id),
