@@ -7,6 +7,7 @@ was read from a feature cache (offline); its embedding and LM head are used eith
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from pathlib import Path
 
 import lightning as L
@@ -52,8 +53,9 @@ class BlockDrafterTraining(L.LightningModule):
         self._depth_sums: dict[str, torch.Tensor] = {}
 
     # ---- model --------------------------------------------------------------------------------------------
+    @abstractmethod
     def build_drafter(self, target_config: PretrainedConfig) -> torch.nn.Module:
-        raise NotImplementedError  # abstract: each family builds its own drafter
+        """The family's drafter for a target of ``target_config`` (new, or loaded from the recipe's checkpoint)."""
 
     def configure_model(self) -> None:
         if self.drafter is not None:
@@ -64,13 +66,14 @@ class BlockDrafterTraining(L.LightningModule):
         self.target = Target(model, self.layer_ids)
 
     @property
+    @abstractmethod
     def layer_ids(self) -> list[int]:
-        raise NotImplementedError  # abstract
+        """Target layer ids the drafter reads (HF ``hidden_states[l + 1]``)."""
 
     @property
+    @abstractmethod
     def dflash(self) -> torch.nn.Module:
-        """The module with the DFlash forward signature."""
-        raise NotImplementedError  # abstract
+        """The module with the DFlash forward signature (the drafter itself, or its backbone)."""
 
     # ---- batches ------------------------------------------------------------------------------------------
     def _blocks(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Blocks]:
