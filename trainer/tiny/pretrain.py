@@ -156,6 +156,8 @@ class TargetPretraining(L.LightningModule):
         compile: ``torch.compile`` the model in place (pays off on runs longer than a few minutes).
         export_dir: HF directory written at the end of ``fit``; default ``<run log dir>/hf``.
         export_dtype: dtype of the exported weights.
+        init_from: continue from the weights of this HF directory (e.g. the shipped target) instead of a
+            random init; its architecture replaces the size arguments above.
     """
 
     def __init__(
@@ -175,6 +177,7 @@ class TargetPretraining(L.LightningModule):
         compile: bool = False,
         export_dir: str | None = None,
         export_dtype: Literal["float32", "bfloat16"] = "bfloat16",
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -201,7 +204,15 @@ class TargetPretraining(L.LightningModule):
             pad_token_id=tokenizer.pad_token_id,
             attn_implementation="sdpa",
         )
-        self.model = Qwen3ForCausalLM(config)
+        if hp.init_from:
+            self.model = Qwen3ForCausalLM.from_pretrained(str(project_path(hp.init_from)), dtype=torch.float32)
+            if self.model.config.vocab_size != len(tokenizer):
+                raise UserError(
+                    f"model.init_from {hp.init_from} has a vocabulary of {self.model.config.vocab_size}, "
+                    f"the tokenizer {len(tokenizer)}"
+                )
+        else:
+            self.model = Qwen3ForCausalLM(config)
         if hp.compile:
             self.model.compile()
 
