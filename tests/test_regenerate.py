@@ -264,3 +264,14 @@ def test_regeneration_on_the_shipped_tiny_target(chats: Path, tmp_path: Path) ->
             else:
                 assert "<|im_end|>" not in new["content"]
     assert any(m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant")
+
+
+def test_chat_template_kwargs_reach_the_prompt(model_dir: Path) -> None:
+    from trainer.data.regenerate import prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    history = [{"role": "user", "content": "hi"}]
+    on = tokenizer.decode(prompt_ids(tokenizer, history))
+    off = tokenizer.decode(prompt_ids(tokenizer, history, enable_thinking=False))
+    assert on.endswith("<|im_start|>assistant\n")
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")

@@ -136,9 +136,9 @@ def stop_tokens(tokenizer: PreTrainedTokenizerBase) -> Stops:
     return Stops(ids=ids, marker=marker, pad_id=pad_id)
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, history: Sequence[dict]) -> list[int]:
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, history: Sequence[dict], **template_kwargs: Any) -> list[int]:
     """Token ids of the conversation so far followed by the template's assistant generation prompt."""
-    text = tokenizer.apply_chat_template(list(history), tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(list(history), tokenize=False, add_generation_prompt=True, **template_kwargs)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -253,6 +253,7 @@ def _regenerate_batch(
     top_p: float,
     max_new_tokens: int,
     seed: int,
+    template_kwargs: dict[str, Any],
 ) -> tuple[list[list[dict[str, Any]]], int]:
     """The conversations of ``batch`` with every assistant turn regenerated, and how many turns hit the cap."""
     source = [[_clean(m) for m in row["messages"]] for row in batch]
@@ -271,7 +272,7 @@ def _regenerate_batch(
                 waiting.append(i)
         if not waiting:
             return done, capped
-        prompts = [prompt_ids(tokenizer, done[i]) for i in waiting]
+        prompts = [prompt_ids(tokenizer, done[i], **template_kwargs) for i in waiting]
         seeds = [turn_seed(seed, batch[i]["id"], turn) for i in waiting]
         replies = generate_batch(model, prompts, stops, max_new_tokens, temperature, top_p, seeds)
         for i, (ids, stopped) in zip(waiting, replies, strict=True):
@@ -312,6 +313,7 @@ def regenerate(
     seed: int = 0,
     strict: bool = False,
     dtype: str = "float32",
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> None:
     """Replace every assistant turn of chat conversations with the target model's own reply.
 
@@ -333,8 +335,11 @@ def regenerate(
         seed: Seed of the sampling streams; the same seed gives the same output.
         strict: Stop at the first malformed input row instead of skipping it with a report.
         dtype: Torch dtype of the target (float32, bfloat16, float16).
+        chat_template_kwargs: Template variables, e.g. {enable_thinking: false} for Qwen3; use the same ones
+            as the training recipe's data.spec.chat_template_kwargs so prompts render as training sees them.
     """
     _check_args(temperature, top_p, max_new_tokens, batch_size)
+    template_kwargs = chat_template_kwargs or {}
     out_path = Path(output)
     _check_output_not_input(out_path, data)
     report = LoadReport()
@@ -384,7 +389,7 @@ def regenerate(
             for start in range(0, len(pending), batch_size):
                 batch = pending[start : start + batch_size]
                 conversations, batch_capped = _regenerate_batch(
-                    model, tokenizer, stops, batch, temperature, top_p, max_new_tokens, seed
+                    model, tokenizer, stops, batch, temperature, top_p, max_new_tokens, seed, dict(template_kwargs)
                 )
                 for row, messages in zip(batch, conversations, strict=True):
                     record = {"id": row["id"], "source": row["source"], "messages": messages}
