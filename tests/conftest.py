@@ -59,3 +59,29 @@ def copy_stdlib(out: Path, n: int, split: str = "validation") -> Path:
     for m in list_modules(split)[:n]:
         (out / f"{m.name}.py").write_bytes(m.path.read_bytes())
     return out
+
+
+def fit_recording_losses(module, datamodule, max_steps: int, limit_val_batches: int = 1) -> list[float]:
+    """``Trainer.fit`` on CPU without logger, checkpoints or progress bar; the training loss of every step."""
+    import lightning as L
+
+    losses: list[float] = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=limit_val_batches,
+        num_sanity_val_steps=0,
+        enable_model_summary=False,
+        reload_dataloaders_every_n_epochs=1,
+        callbacks=[Record()],
+    )
+    trainer.fit(module, datamodule=datamodule)
+    return losses

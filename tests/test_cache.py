@@ -4,8 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from conftest import TINY_TARGET
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from conftest import make_tiny_target
 
 import trainer.data.cache as cache_mod
 from trainer.data.cache import FeatureCache, cache_features
@@ -22,19 +21,7 @@ TOPK = 8
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("target")
-    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
-    Qwen3ForCausalLM(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
+    make_tiny_target(out, num_layers=4)
     return out
 
 

@@ -1,9 +1,8 @@
 import json
 
-import lightning as L
 import pytest
 import torch
-from conftest import TINY_TARGET, copy_stdlib, make_tiny_target
+from conftest import TINY_TARGET, copy_stdlib, fit_recording_losses, make_tiny_target
 from transformers import AutoTokenizer
 
 from trainer.data.prepare import DataSpec, DraftData
@@ -38,25 +37,7 @@ def test_dflash_fit_learns_and_exports_reference_format(dirs, tmp_path, loss):
         warmup_steps=1,
         export_dir=str(tmp_path / "hf"),
     )
-    losses = []
-
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(outputs["loss"]))
-
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=15,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        limit_val_batches=1,
-        num_sanity_val_steps=0,
-        enable_model_summary=False,
-        reload_dataloaders_every_n_epochs=1,
-        callbacks=[Record()],
-    )
-    trainer.fit(module, datamodule=DraftData(spec, batch_size=2))
+    losses = fit_recording_losses(module, DraftData(spec, batch_size=2), max_steps=15)
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
     # The drafter reads target layers by §1's rule (8 target layers, 2 drafter layers → [1, 5]).
     assert module.target.layer_ids == [1, 5]

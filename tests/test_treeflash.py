@@ -1,9 +1,8 @@
 import json
 
-import lightning as L
 import pytest
 import torch
-from conftest import TINY_TARGET, copy_stdlib, make_tiny_target
+from conftest import TINY_TARGET, copy_stdlib, fit_recording_losses, make_tiny_target
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
@@ -89,27 +88,9 @@ def run_fit(setup_dirs, tmp_path, freeze: bool, steps: int = 12):
         warmup_steps=1,
         export_dir=str(tmp_path / "hf"),
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        limit_val_batches=2,
-        reload_dataloaders_every_n_epochs=1,
-        num_sanity_val_steps=0,
-        enable_model_summary=False,
-    )
     module.configure_model()
     before = {k: v.clone() for k, v in module.drafter.state_dict().items()}
-    losses = []
-
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(outputs["loss"]))
-
-    trainer.callbacks.append(Record())
-    trainer.fit(module, datamodule=data)
+    losses = fit_recording_losses(module, data, steps, limit_val_batches=2)
     return module, before, losses
 
 
