@@ -85,3 +85,17 @@ def fit_recording_losses(module, datamodule, max_steps: int, limit_val_batches: 
     )
     trainer.fit(module, datamodule=datamodule)
     return losses
+
+
+def make_drafter_dirs(root: Path, n_modules: int) -> Path:
+    """``root/target`` (config-built 8-layer target), ``root/dflash`` (random 1-layer, block-8 DFlash drafter
+    for it) and ``root/text`` (``n_modules`` stdlib files)."""
+    from transformers import AutoTokenizer
+
+    from trainer.drafters.dflash import DFlashDraftModel, build_config
+
+    target_config = make_tiny_target(root / "target")
+    mask_id = AutoTokenizer.from_pretrained(TINY_TARGET).mask_token_id
+    DFlashDraftModel(build_config(target_config, 1, 8, mask_id)).save_pretrained(root / "dflash")
+    copy_stdlib(root / "text", n_modules)
+    return root

@@ -9,22 +9,15 @@ import time
 import pytest
 import torch
 import yaml
-from conftest import ROOT, TINY_TARGET, copy_stdlib, make_tiny_target
+from conftest import ROOT, make_drafter_dirs
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from transformers import AutoTokenizer
-
-from trainer.drafters.dflash import DFlashDraftModel, build_config
 
 STEPS = 24
 
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("resume")
-    tcfg = make_tiny_target(root / "target")
-    mask_id = AutoTokenizer.from_pretrained(TINY_TARGET).mask_token_id
-    DFlashDraftModel(build_config(tcfg, 1, 8, mask_id)).save_pretrained(root / "dflash")
-    copy_stdlib(root / "text", 20)
+    root = make_drafter_dirs(tmp_path_factory.mktemp("resume"), n_modules=20)
     r = yaml.safe_load((ROOT / "recipes" / "treeflash_tiny.yaml").read_text())
     r["trainer"].update(
         max_steps=STEPS, log_every_n_steps=1, val_check_interval=STEPS, limit_val_batches=1, enable_progress_bar=False

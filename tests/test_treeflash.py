@@ -2,12 +2,11 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_TARGET, copy_stdlib, fit_recording_losses, make_tiny_target
+from conftest import fit_recording_losses, make_drafter_dirs, make_tiny_target
 from safetensors import safe_open
-from transformers import AutoTokenizer
 
 from trainer.data.prepare import DataSpec, DraftData
-from trainer.drafters.dflash import DFlashDraftModel, build_config
+from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.training.treeflash import TreeFlashTraining
 
@@ -15,12 +14,7 @@ from trainer.training.treeflash import TreeFlashTraining
 @pytest.fixture(scope="module")
 def setup_dirs(tmp_path_factory):
     """A config-built 8-layer target (with the project tokenizer), a random DFlash backbone, and text data."""
-    root = tmp_path_factory.mktemp("tf")
-    tcfg = make_tiny_target(root / "target")
-    mask_id = AutoTokenizer.from_pretrained(TINY_TARGET).mask_token_id
-    DFlashDraftModel(build_config(tcfg, 1, 8, mask_id)).save_pretrained(root / "dflash")
-    copy_stdlib(root / "text", 12)
-    return root
+    return make_drafter_dirs(tmp_path_factory.mktemp("tf"), n_modules=12)
 
 
 def treeflash_of(setup_dirs) -> TreeFlashDraftModel:
@@ -112,7 +106,6 @@ def test_unfrozen_backbone_changes_too(setup_dirs, tmp_path):
 
 
 def test_backbone_of_another_target_is_a_clear_error(setup_dirs, tmp_path):
-    from conftest import make_tiny_target
 
     from trainer.errors import UserError
 
