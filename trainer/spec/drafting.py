@@ -1,0 +1,185 @@
+"""Drafting sessions: the per-request state a drafter keeps between verification steps.
+
+The engine tells a session what the target committed (``start`` after the prompt, ``commit`` after every
+verification) and a tree builder asks it for drafts. A session says which target layers it reads
+(``layer_ids``) and counts its drafter forwards, so that drafting cost compares across drafters.
+
+- :class:`NoDraft`: plain autoregressive decoding (the baseline runs the same engine loop).
+- :class:`BlockDraftSession`: DFlash; one block forward gives per-depth marginals (chain, DDTree).
+- :class:`TreeFlashSession`: DFlash marginals plus TreeFlash's transition tables (ALGORITHMS.md §4).
+- :class:`RecyclingSession`: no drafter; a Token-Recycling adjacency matrix learnt from the target's
+  logits at every verified node and prompt position (ALGORITHMS.md §8).
+
+On CPU, with the shipped tiny models::
+
+    python -c "from trainer.spec.drafting import load_drafter; print(load_drafter('checkpoints/dflash_tiny'))"
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from trainer.drafters.dflash import DFlashDraftModel
+from trainer.drafters.treeflash import TreeFlashDraftModel
+from trainer.errors import UserError
+from trainer.spec.tree import Transitions, Tree
+
+
+class DraftSession(ABC):
+    """Per-request drafter state. Subclasses that read target features set ``layer_ids``."""
+
+    layer_ids: list[int] = []
+    needs_prompt_logits: bool = False
+
+    def __init__(self) -> None:
+        self.forwards = 0
+
+    def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
+        """The prompt was prefilled. ``prompt`` Shape: (P,); ``features`` (P, n*H) or None; ``logits`` (P or 1, V)."""
+
+    def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:
+        """A step committed ``tokens`` (the root, then the accepted drafts; the bonus comes next step as the
+        root). ``features`` Shape: (len(tokens), n*H) of exactly those positions; ``logits`` (N + 1, V) of
+        every verified node."""
+
+
+class NoDraft(DraftSession):
+    """No drafter: every tree is the root alone, i.e. plain decoding."""
+
+
+class BlockDraftSession(DraftSession):
+    """A DFlash drafter: context features are cached in the drafter's KV cache once, then one block forward
+    per step from the root (``[root, MASK, ...]``) gives every depth's marginals."""
+
+    def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.embed = target.get_input_embeddings()
+        self.head = target.get_output_embeddings()
+        self.layer_ids = list(drafter.target_layer_ids)
+        self.max_depth = drafter.block_size - 1
+        self.cache = DynamicCache(config=drafter.config)
+        # Target features of committed positions whose drafter keys are not cached yet. Shape: (1, C, n*H)
+        self.pending: torch.Tensor | None = None
+        # Position of the next root (the number of committed tokens before it).
+        self.position = 0
+
+    def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
+        self.pending = features[None]
+        self.position = prompt.numel()
+
+    def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:
+        new = features[None]
+        self.pending = new if self.pending is None else torch.cat([self.pending, new], dim=1)
+        self.position += len(tokens)
+
+    def _block(self, root: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafter hidden states of the block ``[root, MASK x depth]``, pre-norm and normed. Shape: (depth + 1, H)"""
+        device = self.cache_device
+        block = torch.full((1, depth + 1), self.drafter.mask_token_id, dtype=torch.long, device=device)
+        block[0, 0] = root
+        context = self.pending.shape[1] if self.pending is not None else 0
+        positions = torch.arange(self.position - context, self.position + depth + 1, device=device)[None]
+        dtype = self.drafter.fc.weight.dtype
+        empty = torch.zeros(1, 0, self.drafter.fc.in_features, dtype=dtype, device=device)
+        hidden = self.drafter(
+            noise_embedding=self.embed(block).to(dtype),
+            target_hidden=(self.pending if self.pending is not None else empty).to(dtype),
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            return_prenorm=True,
+        )
+        # The context keys stay cached; the block's keys are dropped (the next block starts elsewhere).
+        self.cache.crop(-(depth + 1))
+        self.pending = None
+        self.forwards += 1
+        return hidden[0], self.drafter.norm(hidden[0])
+
+    @property
+    def cache_device(self) -> torch.device:
+        return self.drafter.fc.weight.device
+
+    def depth_logits(self, root: int, depth: int) -> torch.Tensor:
+        """Marginal logits of depths ``1..depth`` from one block forward. Shape: (depth, V)"""
+        _, normed = self._block(root, depth)
+        return self.head(normed[1:]).float()
+
+
+class TreeFlashSession(BlockDraftSession):
+    """TreeFlash: the DFlash block forward, then the AR-approximator on every (slot, candidate previous
+    token) pair in one batch — no extra drafter forward."""
+
+    def __init__(self, drafter: TreeFlashDraftModel, target: PreTrainedModel) -> None:
+        super().__init__(drafter.model, target)
+        self.treeflash = drafter
+
+    def transitions(self, root: int, depth: int, top_m: int, top_k: int, temperature: float = 1.0) -> Transitions:
+        """Stage one (top-M candidates per slot from the marginals) and stage two (top-K corrected
+        continuations per slot and candidate previous token)."""
+        hidden, normed = self._block(root, depth)
+        # Shape: (depth + 1, V); row 0 is the root's slot, which drafts nothing.
+        marginal = self.head(normed).float()
+        m = min(top_m, marginal.shape[-1])
+        # Shape: (depth, M): candidates of slots 0..depth-1 as previous tokens of slots 1..depth.
+        prev = marginal[:-1].topk(m, dim=-1).indices
+        prev[0] = root
+        dtype = hidden.dtype
+        # Shape: (depth, M, H)
+        prev_embedding = self.embed(prev).to(dtype)
+        corrected = self.treeflash.correct(
+            hidden[1:, None].expand(-1, m, -1), normed[1:, None].expand(-1, m, -1), prev_embedding
+        )
+        logprobs = F.log_softmax(self.head(corrected).float() / temperature, dim=-1)
+        top = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
+        # Candidates of slots 1..depth, in the rows of the slots they belong to.
+        candidates = marginal[1:].topk(m, dim=-1).indices
+        return Transitions.from_candidates(candidates, top.indices, top.values)
+
+
+class RecyclingSession(DraftSession):
+    """Token Recycling: ``adjacency[x]`` holds the ``width`` most likely successors of token ``x`` as the
+    target last predicted them. Kept across requests ("hot start"), so one session serves a whole run."""
+
+    needs_prompt_logits = True
+
+    def __init__(self, vocab_size: int, width: int = 8, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        # Shape: (V, width); -1 = no successor seen yet.
+        self.adjacency = torch.full((vocab_size, width), -1, dtype=torch.long, device=device)
+
+    def _learn(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """``adjacency[tokens[i]] = top-width(logits[i])``; a token seen twice keeps its last row."""
+        tokens = tokens.to(self.adjacency.device)
+        order = torch.arange(tokens.numel(), device=tokens.device)
+        last = torch.full((self.adjacency.shape[0],), -1, dtype=torch.long, device=tokens.device)
+        last = last.scatter_reduce(0, tokens, order, reduce="amax")
+        keep = last[tokens] == order
+        top = logits[keep.to(logits.device)].topk(self.adjacency.shape[1], dim=-1).indices
+        self.adjacency[tokens[keep]] = top.to(self.adjacency.device)
+
+    def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
+        self._learn(prompt, logits)
+
+    def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:
+        self._learn(tree.tokens.to(logits.device), logits)
+
+
+def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel | TreeFlashDraftModel:
+    """A DFlash or TreeFlash drafter from an HF directory, by its ``architectures``."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"no drafter at {path}: {config_file} does not exist")
+    architectures = json.loads(config_file.read_text()).get("architectures") or []
+    classes = {"DFlashDraftModel": DFlashDraftModel, "TreeFlashDraftModel": TreeFlashDraftModel}
+    for name in architectures:
+        if name in classes:
+            return classes[name].from_pretrained(path, dtype=dtype).eval()
+    raise UserError(f"{config_file}: architectures {architectures} name no drafter this engine runs ({sorted(classes)})")

@@ -1,0 +1,245 @@
+"""The speculative decoding loop: any drafting session with any compatible tree builder, verified losslessly
+against an HF causal LM with a KV cache. Plain autoregressive decoding is the same loop with the empty tree,
+so the baseline shares every line of overhead with the speculative runs.
+
+One step: the builder asks the session for drafts and returns a tree (timed as ``draft`` for drafter work
+and ``tree`` for tree construction); the target verifies the tree in one forward (``verify``); acceptance
+walks it; the KV cache is compacted to the accepted path; the session is told what was committed. Batch size
+1. On CPU with the shipped tiny models::
+
+    python -c "
+    import torch; from transformers import AutoModelForCausalLM as A
+    from trainer.spec.drafting import load_drafter; from trainer.spec.engine import BUILDERS, generate, make_session
+    t = A.from_pretrained('checkpoints/target_tiny', dtype=torch.float32).eval()
+    s = make_session('ddtree', t, load_drafter('checkpoints/dflash_tiny'))
+    g = generate(t, s, BUILDERS['ddtree'], torch.tensor([1, 2, 3]), 32, budget=16)
+    print(g.tokens, g.tau)"
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from trainer.drafters.treeflash import TreeFlashDraftModel
+from trainer.errors import UserError
+from trainer.spec.drafting import BlockDraftSession, DraftSession, NoDraft, RecyclingSession, TreeFlashSession
+from trainer.spec.tree import Tree, chain, ddtree, recycling_template, retrieval, root_only, treeflash
+from trainer.spec.verify import Sampling, accept, compact_cache, tree_attention_mask
+
+
+class Clock:
+    """Wall time per phase. On an accelerator, synchronises at phase boundaries so time lands where it is spent."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        self._sync()
+        start = time.perf_counter()
+        yield
+        self._sync()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class TreeBuilder:
+    """A named way to turn a session's drafts into a tree of at most ``budget`` nodes and depth ``max_depth``."""
+
+    name: str
+    # The session kind the builder drafts with.
+    session: type[DraftSession]
+    build: Callable[[DraftSession, int, int, int, Clock], Tree]
+
+
+def _chain(session: BlockDraftSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
+    depth = min(max_depth, budget)
+    with clock("draft"):
+        logits = session.depth_logits(root, depth)
+    with clock("tree"):
+        return chain(root, logits.argmax(-1), budget)
+
+
+def _ddtree(session: BlockDraftSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
+    with clock("draft"):
+        logprobs = session.depth_logits(root, min(max_depth, budget)).log_softmax(-1)
+    with clock("tree"):
+        return ddtree(logprobs, root, budget)
+
+
+# TreeFlash's reference stage-one/stage-two widths (ALGORITHMS.md §4).
+TREEFLASH_TOP_M = 16
+TREEFLASH_TOP_K = 16
+
+
+def _treeflash(session: TreeFlashSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
+    with clock("draft"):
+        tables = session.transitions(root, min(max_depth, budget), TREEFLASH_TOP_M, TREEFLASH_TOP_K)
+    with clock("tree"):
+        return treeflash(tables, root, budget)
+
+
+def _recycling(session: RecyclingSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
+    with clock("tree"):
+        template = [p for p in recycling_template(budget, session.adjacency.shape[1]) if len(p) <= max_depth]
+        return retrieval(session.adjacency, root, template)
+
+
+def _none(session: DraftSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
+    return root_only(root)
+
+
+BUILDERS: dict[str, TreeBuilder] = {
+    b.name: b
+    for b in (
+        TreeBuilder("chain", BlockDraftSession, _chain),
+        TreeBuilder("ddtree", BlockDraftSession, _ddtree),
+        TreeBuilder("treeflash", TreeFlashSession, _treeflash),
+        TreeBuilder("recycling", RecyclingSession, _recycling),
+        TreeBuilder("none", DraftSession, _none),
+    )
+}
+
+
+def make_session(tree: str, target: PreTrainedModel, drafter: torch.nn.Module | None) -> DraftSession:
+    """A fresh session for one request with builder ``tree``; a clear error when the drafter cannot serve it."""
+    if tree not in BUILDERS:
+        raise UserError(f"unknown tree builder {tree!r}; choose from {sorted(BUILDERS)}")
+    need = BUILDERS[tree].session
+    if need is RecyclingSession:
+        return RecyclingSession(target.config.vocab_size, device=target.device)
+    if need is DraftSession:
+        return NoDraft()
+    if drafter is None:
+        raise UserError(f"tree builder {tree!r} needs a drafter (--drafter)")
+    if isinstance(drafter, TreeFlashDraftModel):
+        return TreeFlashSession(drafter, target)
+    if need is TreeFlashSession:
+        raise UserError(f"tree builder {tree!r} needs a TreeFlash drafter; got {type(drafter).__name__}")
+    return BlockDraftSession(drafter, target)
+
+
+@dataclass
+class Step:
+    accepted: int
+    committed: int
+    tree_size: int
+    forwards: int
+    seconds: dict[str, float]
+
+
+@dataclass
+class Generation:
+    # The new tokens, the prefill's first token included.
+    tokens: list[int]
+    steps: list[Step] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    # Time after the first token: every verification step with its drafting and bookkeeping.
+    decode_seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per verification forward, bonus included."""
+        return sum(s.committed for s in self.steps) / max(len(self.steps), 1)
+
+
+def _cache_kwarg(model: PreTrainedModel) -> str:
+    # transformers 5.24 renamed past_key_values to cache; earlier 5.x only knows the old name.
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def generate(
+    target: PreTrainedModel,
+    session: DraftSession,
+    builder: TreeBuilder,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    budget: int,
+    sampling: Sampling = Sampling(),
+    generator: torch.Generator | None = None,
+    stop_token_ids: set[int] | None = None,
+) -> Generation:
+    """Decode up to ``max_new_tokens`` after ``prompt`` (Shape: (P,)). Lossless: greedy output equals the
+    target's greedy decoding; sampled output is distributed as the target's sampling with ``sampling``."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    device = target.device
+    stops = stop_token_ids or set()
+    cache = DynamicCache(config=target.config)
+    cache_kw = _cache_kwarg(target)
+    want_hidden = bool(session.layer_ids)
+    dtype = next(target.parameters()).dtype
+    clock = Clock(device)
+
+    def features(out, rows: torch.Tensor | slice) -> torch.Tensor | None:
+        if not want_hidden:
+            return None
+        return torch.cat([out.hidden_states[layer + 1][0, rows] for layer in session.layer_ids], dim=-1)
+
+    start = time.perf_counter()
+    prompt = prompt.to(device)
+    out = target(
+        input_ids=prompt[None],
+        use_cache=True,
+        output_hidden_states=want_hidden,
+        logits_to_keep=0 if session.needs_prompt_logits else 1,
+        **{cache_kw: cache},
+    )
+    logits = out.logits[0].float()
+    tokens = [sampling.next_token(logits[-1], generator)]
+    session.start(prompt, features(out, slice(None)), logits)
+    generation = Generation(tokens)
+    generation.prefill_seconds = time.perf_counter() - start
+
+    start = time.perf_counter()
+    past_len = prompt.numel()
+    while len(tokens) < max_new_tokens and tokens[-1] not in stops:
+        remaining = max_new_tokens - len(tokens)
+        clock.seconds = {}
+        forwards = session.forwards
+        root = tokens[-1]
+        tree = builder.build(session, root, budget, remaining, clock)
+        with clock("verify"):
+            positions = (past_len + tree.depths()).to(device)
+            out = target(
+                input_ids=tree.tokens[None].to(device),
+                position_ids=positions[None],
+                attention_mask=tree_attention_mask(tree, past_len, dtype, device),
+                use_cache=True,
+                output_hidden_states=want_hidden,
+                **{cache_kw: cache},
+            )
+            logits = out.logits[0].float()
+            result = accept(tree, logits, sampling, generator)
+        with clock("commit"):
+            # The accepted drafts, then the target's bonus; never past max_new_tokens or a stop token.
+            new = [int(t) for t in tree.tokens[result.path[1:]]] + [result.bonus]
+            new = new[:remaining]
+            for i, token in enumerate(new):
+                if token in stops:
+                    new = new[: i + 1]
+                    break
+            # The root and the accepted drafts that were committed: len(new) positions enter the context.
+            path = result.path[: len(new)]
+            compact_cache(cache, past_len, path)
+            session.commit([root, *new[:-1]], features(out, torch.tensor(path, device=device)), tree, logits)
+            past_len += len(path)
+            tokens.extend(new)
+        generation.steps.append(
+            Step(result.accepted, len(new), tree.size, session.forwards - forwards, dict(clock.seconds))
+        )
+    generation.decode_seconds = time.perf_counter() - start
+    return generation

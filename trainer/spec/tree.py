@@ -1,0 +1,254 @@
+"""Draft trees and the pure tensor functions that build them (ALGORITHMS.md §2, §4, §8).
+
+A tree is a root (the last committed token, whose target logits are not computed yet) plus ``N`` draft
+nodes; the node budget always counts draft nodes only, root excluded. Nodes are stored in topological
+order: node 0 is the root and ``parents[i] < i`` for every other node, so a tree can be verified in one
+target forward with an ancestor mask. Builders never emit two siblings with the same token (a duplicate
+could never be the accepted child, it would only waste budget).
+
+Every builder here is a function of tensors and a budget, testable without a model::
+
+    python -c "import torch; from trainer.spec.tree import ddtree; \\
+        print(ddtree(torch.randn(4, 10).log_softmax(-1), root=0, budget=6))"
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tree:
+    """Root plus draft nodes in topological order."""
+
+    # Shape: (N + 1,) int64; tokens[0] is the root
+    tokens: torch.Tensor
+    # Shape: (N + 1,) int64; parents[0] == -1, 0 <= parents[i] < i
+    parents: torch.Tensor
+
+    @classmethod
+    def from_lists(cls, tokens: list[int], parents: list[int]) -> Tree:
+        return cls(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+    @property
+    def size(self) -> int:
+        """Draft nodes, root excluded (the budget unit)."""
+        return self.tokens.numel() - 1
+
+    def depths(self) -> torch.Tensor:
+        """Depth of every node (root 0). Shape: (N + 1,)"""
+        parents = self.parents.tolist()
+        depth = [0] * len(parents)
+        for i in range(1, len(parents)):
+            depth[i] = depth[parents[i]] + 1
+        return torch.tensor(depth, dtype=torch.long)
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """``mask[i, j]``: node ``j`` is node ``i`` or one of its ancestors. Shape: (N + 1, N + 1) bool"""
+        n = self.tokens.numel()
+        mask = torch.eye(n, dtype=torch.bool)
+        parents = self.parents.tolist()
+        for i in range(1, n):
+            mask[i] |= mask[parents[i]]
+        return mask
+
+    def children(self) -> list[dict[int, int]]:
+        """Per node, ``{token: child index}``."""
+        out: list[dict[int, int]] = [{} for _ in range(self.tokens.numel())]
+        for i, (p, t) in enumerate(zip(self.parents.tolist(), self.tokens.tolist(), strict=True)):
+            if i:
+                out[p][t] = i
+        return out
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` when the invariants above do not hold."""
+        parents = self.parents.tolist()
+        if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1 or not parents or parents[0] != -1:
+            raise ValueError("a tree needs equal 1-D tokens and parents with parents[0] == -1")
+        seen: set[tuple[int, int]] = set()
+        for i in range(1, len(parents)):
+            if not 0 <= parents[i] < i:
+                raise ValueError(f"node {i} has parent {parents[i]}: parents must precede their children")
+            key = (parents[i], int(self.tokens[i]))
+            if key in seen:
+                raise ValueError(f"node {i} duplicates a sibling's token {key[1]}")
+            seen.add(key)
+
+
+def root_only(root: int) -> Tree:
+    """The empty tree: verifying it is one step of plain autoregressive decoding."""
+    return Tree.from_lists([root], [-1])
+
+
+def chain(root: int, tokens: torch.Tensor, budget: int) -> Tree:
+    """A single path of the first ``budget`` drafted tokens (DFlash's greedy block). ``tokens`` Shape: (D,)"""
+    draft = tokens[:budget].tolist()
+    return Tree.from_lists([root, *draft], list(range(-1, len(draft))))
+
+
+def _best_first(
+    root: int,
+    budget: int,
+    first: tuple[float, int, int],
+    sibling,
+    child,
+) -> Tree:
+    """Best-first growth shared by DDTree and TreeFlash.
+
+    A heap entry is ``(-score, order, source, rank, parent, token)``; ``sibling(source, rank)`` gives the next
+    candidate of the same source row as ``(delta_score, source, rank + 1, token)`` or ``None``, and
+    ``child(source, rank, token)`` the first candidate under a popped node as ``(log-prob, source, 0, token)``
+    or ``None``. Scores are sums of log-probs, so they never grow along siblings or children and the popped
+    nodes always form a tree. ``order`` breaks ties by insertion order, which keeps the result deterministic.
+    """
+    tokens, parents = [root], [-1]
+    score0, source0, token0 = first
+    heap = [(-score0, 0, source0, 0, 0, token0)]
+    pushed = 1
+    while heap and len(tokens) <= budget:
+        neg, _, source, rank, parent, token = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(token)
+        parents.append(parent)
+        nxt = sibling(source, rank)
+        if nxt is not None:
+            delta, nsource, nrank, ntoken = nxt
+            heapq.heappush(heap, (neg - delta, pushed, nsource, nrank, parent, ntoken))
+            pushed += 1
+        below = child(source, rank, token)
+        if below is not None:
+            lp, csource, crank, ctoken = below
+            heapq.heappush(heap, (neg - lp, pushed, csource, crank, node, ctoken))
+            pushed += 1
+    return Tree.from_lists(tokens, parents)
+
+
+def ddtree(logprobs: torch.Tensor, root: int, budget: int) -> Tree:
+    """DDTree: the best tree of ``budget`` nodes from per-depth marginals (ALGORITHMS.md §2).
+
+    ``logprobs`` Shape: (D, V), row ``d`` the log-probs of depth ``d + 1``. A node at depth ``d`` with rank ``r``
+    among depth ``d``'s top tokens has siblings of rank ``r + 1`` and a first child of rank 0 at depth ``d + 1``.
+    """
+    depth_count = logprobs.shape[0]
+    if budget <= 0 or depth_count == 0:
+        return root_only(root)
+    k = min(budget, logprobs.shape[1])
+    top = logprobs.float().topk(k, dim=-1)
+    # Python lists: the heap loop touches single scalars, which tensors make 10x slower.
+    values, ids = top.values.tolist(), top.indices.tolist()
+
+    def sibling(depth: int, rank: int):
+        if rank + 1 >= k:
+            return None
+        return values[depth][rank] - values[depth][rank + 1], depth, rank + 1, ids[depth][rank + 1]
+
+    def child(depth: int, rank: int, token: int):
+        if depth + 1 >= depth_count:
+            return None
+        return values[depth + 1][0], depth + 1, 0, ids[depth + 1][0]
+
+    return _best_first(root, budget, (values[0][0], 0, ids[0][0]), sibling, child)
+
+
+@dataclass(frozen=True)
+class Transitions:
+    """TreeFlash's stage-two tables (ALGORITHMS.md §4) for slots ``1..D``; row ``d`` is slot ``d + 1``.
+
+    ``tokens[d, m]`` / ``logprobs[d, m]`` are the top-K corrected tokens and log-probs of slot ``d + 1`` given
+    that the previous slot carries candidate ``m`` (slot 1: the root, row ``m = 0`` only). ``next_index[d, m, j]``
+    is the row of ``tokens[d, m, j]`` among slot ``d + 1``'s own candidates, i.e. the row its children come from,
+    or -1 when the token is not a candidate there (such a node cannot be expanded).
+    """
+
+    # Shape: (D, M, K) int64
+    tokens: torch.Tensor
+    # Shape: (D, M, K) float
+    logprobs: torch.Tensor
+    # Shape: (D, M, K) int64
+    next_index: torch.Tensor
+
+    @classmethod
+    def from_candidates(cls, candidates: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> Transitions:
+        """Derive ``next_index``. ``candidates`` Shape: (D, M), row ``d`` = slot ``d + 1``'s top-M marginal tokens,
+        the previous tokens that slot ``d + 2``'s rows were computed for."""
+        # Shape: (D - 1, M, K, M): is transition token (d, m, j) candidate m' of its own slot?
+        match = tokens[:-1, :, :, None] == candidates[:-1, None, None, :]
+        found = match.any(-1)
+        index = torch.where(found, match.float().argmax(-1), torch.full_like(found, -1, dtype=torch.long))
+        last = torch.full_like(tokens[:1], -1)
+        return cls(tokens, logprobs, torch.cat([index, last], dim=0))
+
+
+def treeflash(transitions: Transitions, root: int, budget: int) -> Tree:
+    """TreeFlash's stage-two tree: DDTree's best-first heap where a node's children come from its own
+    transition row (ALGORITHMS.md §4)."""
+    if budget <= 0 or transitions.tokens.shape[0] == 0:
+        return root_only(root)
+    depth_count, _, k = transitions.tokens.shape
+    tokens, logprobs = transitions.tokens.tolist(), transitions.logprobs.float().tolist()
+    nexts = transitions.next_index.tolist()
+    # A source is (depth row, candidate row); ranks index the K transition tokens of that row.
+
+    def sibling(source: tuple[int, int], rank: int):
+        d, m = source
+        if rank + 1 >= k:
+            return None
+        return logprobs[d][m][rank] - logprobs[d][m][rank + 1], source, rank + 1, tokens[d][m][rank + 1]
+
+    def child(source: tuple[int, int], rank: int, token: int):
+        d, m = source
+        row = nexts[d][m][rank]
+        if row < 0 or d + 1 >= depth_count:
+            return None
+        return logprobs[d + 1][row][0], (d + 1, row), 0, tokens[d + 1][row][0]
+
+    return _best_first(root, budget, (logprobs[0][0][0], (0, 0), tokens[0][0][0]), sibling, child)
+
+
+def recycling_template(budget: int, width: int = 8, decay: float = 0.5, max_depth: int = 6) -> list[tuple[int, ...]]:
+    """A static Token-Recycling style template: ``budget`` rank paths, parents before children.
+
+    Paths are chosen best-first under a fixed prior where the ``r``-th most likely successor is right with
+    probability ``(1 - decay) * decay**r`` at any depth, so the template is wide near the root and thin deep
+    down, like Token Recycling's hand-made 80-node tree (8/21/25/15/8/3 nodes per depth).
+    """
+    log_p = [math.log((1 - decay) * decay**r) for r in range(width)]
+    paths: list[tuple[int, ...]] = []
+    heap = [(-log_p[0], (0,))]
+    while heap and len(paths) < budget:
+        neg, path = heapq.heappop(heap)
+        paths.append(path)
+        # Each path is pushed once: by its left sibling (rank > 0) or by its parent (rank 0).
+        if path[-1] + 1 < width:
+            heapq.heappush(heap, (neg + log_p[path[-1]] - log_p[path[-1] + 1], path[:-1] + (path[-1] + 1,)))
+        if len(path) < max_depth:
+            heapq.heappush(heap, (neg - log_p[0], path + (0,)))
+    return sorted(paths, key=lambda p: (len(p), p))
+
+
+def retrieval(adjacency: torch.Tensor, root: int, template: list[tuple[int, ...]]) -> Tree:
+    """Fill a rank-path template from an adjacency matrix: ``token(node) = adjacency[token(parent), rank]``.
+
+    ``adjacency`` Shape: (V, W) successor ids, best first. Paths whose token repeats a sibling's (an adjacency
+    row with repeated ids) are dropped together with their subtree; -1 entries (no successor known) likewise.
+    """
+    rows = adjacency.tolist()
+    tokens, parents = [root], [-1]
+    index: dict[tuple[int, ...], int] = {(): 0}
+    taken: set[tuple[int, int]] = set()
+    for path in template:
+        parent = index.get(path[:-1])
+        if parent is None:
+            continue
+        token = rows[tokens[parent]][path[-1]]
+        if token < 0 or (parent, token) in taken:
+            continue
+        taken.add((parent, token))
+        index[path] = len(tokens)
+        tokens.append(token)
+        parents.append(parent)
+    return Tree.from_lists(tokens, parents)

@@ -1,0 +1,126 @@
+"""Lossless tree verification (ALGORITHMS.md §3): the tree attention mask, greedy and sampled acceptance, and
+KV compaction to the accepted path.
+
+Acceptance treats drafts as deterministic: at each node the target's own next token is decided (argmax,
+or a draw from the target's warped distribution), and the walk moves to the child carrying it, if any. The
+committed tokens are therefore exactly what the target alone would have produced (greedy) or distributed
+exactly as the target's samples (sampling), whatever the tree. Pure functions; on CPU::
+
+    python -c "import torch; from trainer.spec.tree import Tree; from trainer.spec.verify import accept_greedy; \\
+        t = Tree.from_lists([5, 7, 8], [-1, 0, 1]); print(accept_greedy(t, torch.eye(10)[[7, 9, 1]]))"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from trainer.spec.tree import Tree
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the target's next token is chosen: greedy at temperature 0, else warped sampling."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(
+                f"sampling needs temperature >= 0, top_p in (0, 1] and top_k >= 0; got {self.temperature}, "
+                f"{self.top_p}, {self.top_k}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The warped distribution: temperature, then top-k, then top-p (nucleus). Shape: (..., V) → (..., V)"""
+        scores = logits.float() / self.temperature
+        if 0 < self.top_k < scores.shape[-1]:
+            kth = scores.topk(self.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = scores.softmax(-1)
+        if self.top_p < 1:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
+            keep = sorted_probs.cumsum(-1) - sorted_probs < self.top_p
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+    def next_token(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+        """One token from one row of logits. Shape: (V,)"""
+        if self.greedy:
+            return int(logits.argmax())
+        return int(torch.multinomial(self.probs(logits), 1, generator=generator))
+
+
+def tree_attention_mask(tree: Tree, past_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask for verifying ``tree`` after ``past_len`` cached tokens: a node sees the whole prefix,
+    its ancestors and itself. A float mask, because a boolean one is silently wrong with eager attention.
+    Shape: (1, 1, N + 1, past_len + N + 1)"""
+    n = tree.tokens.numel()
+    mask = torch.zeros(1, 1, n, past_len + n, dtype=dtype, device=device)
+    visible = tree.ancestor_mask().to(device)
+    block = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=device).masked_fill(visible, 0)
+    mask[0, 0, :, past_len:] = block
+    return mask
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    # Node indices from the root (0) to the deepest accepted node.
+    path: list[int]
+    # The target's own token after the last accepted node.
+    bonus: int
+
+    @property
+    def accepted(self) -> int:
+        """Draft tokens accepted (the bonus excluded)."""
+        return len(self.path) - 1
+
+
+def accept(tree: Tree, logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> Acceptance:
+    """Walk the tree along the target's own choices. ``logits`` Shape: (N + 1, V), row ``i`` = after node ``i``.
+
+    Only the rows on the walk are looked at, so sampling draws exactly one token per committed position,
+    like plain sampling does.
+    """
+    children = tree.children()
+    node, path = 0, [0]
+    while True:
+        token = sampling.next_token(logits[node], generator)
+        child = children[node].get(token)
+        if child is None:
+            return Acceptance(path, token)
+        node = child
+        path.append(node)
+
+
+def accept_greedy(tree: Tree, logits: torch.Tensor) -> Acceptance:
+    return accept(tree, logits, Sampling())
+
+
+def compact_cache(cache: DynamicCache, past_len: int, keep: list[int]) -> None:
+    """Keep the first ``past_len`` cached positions plus the tree positions ``keep`` (offsets after
+    ``past_len``, increasing), dropping the rest of the verified tree."""
+    index = None
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise TypeError(
+                f"tree verification compacts full-attention caches only; this target has a {type(layer).__name__}"
+            )
+        if not layer.is_initialized:
+            continue
+        if index is None or index.device != layer.keys.device:
+            tail = torch.tensor(keep, dtype=torch.long, device=layer.keys.device) + past_len
+            index = torch.cat([torch.arange(past_len, device=layer.keys.device), tail])
+        layer.keys = layer.keys.index_select(-2, index)
+        layer.values = layer.values.index_select(-2, index)
