@@ -117,7 +117,7 @@ def _best_first(
         nxt = sibling(source, rank)
         if nxt is not None:
             delta, nsource, nrank, ntoken = nxt
-            heapq.heappush(heap, (neg - delta, pushed, nsource, nrank, parent, ntoken))
+            heapq.heappush(heap, (neg + delta, pushed, nsource, nrank, parent, ntoken))
             pushed += 1
         below = child(source, rank, token)
         if below is not None:

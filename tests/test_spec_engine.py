@@ -1,0 +1,134 @@
+"""The engine end to end: greedy output of every builder equals the target's own greedy decoding; sampled
+output follows the target's distribution; chain mode reproduces the dflash package's dflash_generate."""
+
+import json
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from tests.conftest import ROOT, TINY_TARGET
+from tests.test_spec_verify import chi2_pvalue
+from trainer.drafters.dflash import DFlashDraftModel, build_config
+from trainer.drafters.treeflash import TreeFlashDraftModel
+from trainer.spec.drafting import load_drafter
+from trainer.spec.engine import BUILDERS, generate, make_session
+from trainer.spec.verify import Sampling
+
+DFLASH_TINY = ROOT / "checkpoints" / "dflash_tiny"
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    target = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TARGET)
+    dflash = load_drafter(DFLASH_TINY)
+    # A TreeFlash drafter whose approximator is not the identity, so its trees differ from DDTree's.
+    treeflash = TreeFlashDraftModel.from_dflash(str(DFLASH_TINY)).eval()
+    torch.manual_seed(0)
+    torch.nn.init.normal_(treeflash.ar_approximation.d.weight, std=0.05)
+    lines = (ROOT / "data" / "prompts" / "stdlib_heldout.jsonl").read_text().splitlines()
+    prompts = [torch.tensor(tokenizer(json.loads(line)["prompt"], add_special_tokens=False)["input_ids"][-96:]) for line in lines[:8]]
+    return target, dflash, treeflash, prompts
+
+
+@pytest.mark.parametrize(
+    "tree,budget", [("none", 0), ("chain", 15), ("ddtree", 16), ("treeflash", 24), ("recycling", 32)]
+)
+def test_greedy_is_lossless_for_every_builder(shipped, tree, budget):
+    target, dflash, treeflash, prompts = shipped
+    drafter = treeflash if tree == "treeflash" else dflash
+    taus = []
+    for prompt in prompts:
+        reference = target.generate(prompt[None], max_new_tokens=64, min_new_tokens=64, do_sample=False)
+        session = make_session(tree, target, drafter)
+        out = generate(target, session, BUILDERS[tree], prompt, 64, budget=budget)
+        assert out.tokens == reference[0, prompt.numel() :].tolist()
+        assert sum(s.committed for s in out.steps) == 63
+        assert all(s.tree_size <= budget for s in out.steps)
+        taus.append(out.tau)
+    # Every drafter accepts something on this in-domain text (a broken tree or mask gives τ == 1).
+    assert (min(taus) == 1.0) if tree == "none" else (sum(taus) / len(taus) > 1.2)
+
+
+def test_chain_matches_dflash_generate(shipped, monkeypatch):
+    dflash_model = pytest.importorskip("dflash.model")
+    # The reference times with CUDA synchronisation; the wall clock is enough on CPU.
+    monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)
+    target, _, _, prompts = shipped
+    reference_drafter = dflash_model.DFlashDraftModel.from_pretrained(DFLASH_TINY, dtype=torch.float32).eval()
+    ours = load_drafter(DFLASH_TINY)
+    for prompt in prompts[:4]:
+        with torch.no_grad():
+            ref = dflash_model.dflash_generate(
+                reference_drafter, target, prompt[None], 64, stop_token_ids=None, return_stats=True
+            )
+        out = generate(target, make_session("chain", target, ours), BUILDERS["chain"], prompt, 64, budget=15)
+        assert out.tokens == ref.output_ids[0, prompt.numel() :].tolist()
+        assert [s.committed for s in out.steps] == ref.acceptance_lengths
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    """A random target over 12 tokens with moderately peaked distributions, and random drafters for it."""
+    torch.manual_seed(3)
+    config = Qwen3Config(
+        vocab_size=12,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=False,
+    )
+    target = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8)
+    dflash = DFlashDraftModel(build_config(config, 1, 4, mask_token_id=11)).eval()
+    treeflash = TreeFlashDraftModel.from_dflash(dflash).eval()
+    torch.nn.init.normal_(treeflash.ar_approximation.d.weight, std=0.5)
+    return target, dflash, treeflash
+
+
+def exact_marginals(target, prompt: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distributions of the 2nd and 3rd generated tokens under plain sampling, by enumeration."""
+    v = target.config.vocab_size
+    with torch.no_grad():
+        p1 = sampling.probs(target(prompt[None]).logits[0, -1])
+        seq1 = torch.cat([prompt.expand(v, -1), torch.arange(v)[:, None]], dim=1)
+        p2_given = sampling.probs(target(seq1).logits[:, -1])  # (x1, x2)
+        joint12 = p1[:, None] * p2_given
+        seq2 = torch.cat([seq1.repeat_interleave(v, 0), torch.arange(v).repeat(v)[:, None]], dim=1)
+        p3_given = sampling.probs(target(seq2).logits[:, -1]).view(v, v, v)
+        p3 = (joint12[..., None] * p3_given).sum((0, 1))
+    return joint12.sum(0), p3
+
+
+@pytest.mark.parametrize(
+    "tree,sampling",
+    [
+        ("chain", Sampling(temperature=1.0)),
+        ("ddtree", Sampling(temperature=0.7, top_k=6)),
+        ("treeflash", Sampling(temperature=1.0, top_p=0.9)),
+        ("recycling", Sampling(temperature=1.0)),
+    ],
+)
+def test_sampling_follows_the_target_distribution(small_vocab, tree, sampling):
+    target, dflash, treeflash = small_vocab
+    drafter = treeflash if tree == "treeflash" else dflash
+    prompt = torch.tensor([1, 5, 2, 7])
+    p2, p3 = exact_marginals(target, prompt, sampling)
+    counts2 = torch.zeros(12, dtype=torch.long)
+    counts3 = torch.zeros(12, dtype=torch.long)
+    accepted = 0
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(800):
+        out = generate(target, make_session(tree, target, drafter), BUILDERS[tree], prompt, 3, 8, sampling, gen)
+        counts2[out.tokens[1]] += 1
+        counts3[out.tokens[2]] += 1
+        accepted += out.steps[0].accepted
+    assert accepted > 40, "drafts were never accepted: the test would not exercise acceptance"
+    assert chi2_pvalue(counts2, p2) > 1e-3
+    assert chi2_pvalue(counts3, p3) > 1e-3

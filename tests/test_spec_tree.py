@@ -1,0 +1,127 @@
+"""Tree builders as pure functions: budgets, invariants, and optimality against brute force."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from trainer.spec.tree import (
+    Transitions,
+    Tree,
+    chain,
+    ddtree,
+    recycling_template,
+    retrieval,
+    root_only,
+    treeflash,
+)
+
+
+def surrogate(tree: Tree, score) -> float:
+    """Σ over nodes of the product of q along the node's path (the expected acceptance length surrogate)."""
+    total, path_lp = 0.0, [0.0] * (tree.size + 1)
+    for i in range(1, tree.size + 1):
+        path_lp[i] = path_lp[int(tree.parents[i])] + score(tree, i)
+        total += math.exp(path_lp[i])
+    return total
+
+
+def test_tree_helpers():
+    tree = Tree.from_lists([9, 1, 2, 3, 4], [-1, 0, 0, 1, 3])
+    tree.validate()
+    assert tree.size == 4
+    assert tree.depths().tolist() == [0, 1, 1, 2, 3]
+    mask = tree.ancestor_mask()
+    assert mask[4].tolist() == [True, True, False, True, True]
+    assert mask[2].tolist() == [True, False, True, False, False]
+    assert tree.children()[0] == {1: 1, 2: 2}
+    with pytest.raises(ValueError, match="duplicates"):
+        Tree.from_lists([9, 1, 1], [-1, 0, 0]).validate()
+    with pytest.raises(ValueError, match="precede"):
+        Tree.from_lists([9, 1, 2], [-1, 2, 0]).validate()
+
+
+def test_chain_and_root_only():
+    tree = chain(7, torch.tensor([3, 4, 5, 6]), budget=3)
+    assert tree.tokens.tolist() == [7, 3, 4, 5]
+    assert tree.parents.tolist() == [-1, 0, 1, 2]
+    assert root_only(7).size == 0
+
+
+@pytest.mark.parametrize("budget", [1, 3, 6, 10])
+def test_ddtree_is_the_best_tree_of_its_size(budget):
+    torch.manual_seed(budget)
+    depth, vocab = 3, 4
+    lp = (torch.randn(depth, vocab) * 2).log_softmax(-1)
+    tree = ddtree(lp, root=99, budget=budget)
+    tree.validate()
+    assert tree.size == min(budget, sum(vocab**d for d in range(1, depth + 1)))
+    depths = tree.depths()
+    q = lambda t, i: float(lp[int(depths[i]) - 1, int(t.tokens[i])])  # noqa: E731
+    best = surrogate(tree, q)
+    # Brute force over every subtree of the full 3-level tree with `budget` nodes that is closed under parents.
+    nodes = [p for d in range(1, depth + 1) for p in itertools.product(range(vocab), repeat=d)]
+    if budget <= 3:
+        for subset in itertools.combinations(nodes, budget):
+            chosen = set(subset)
+            if all(p[:-1] in chosen or len(p) == 1 for p in chosen):
+                value = sum(math.exp(sum(float(lp[d, t]) for d, t in enumerate(p))) for p in chosen)
+                assert value <= best + 1e-9
+    # Greedy optimality holds for every size: each popped node is the best frontier node.
+    prev = float("inf")
+    for i in range(1, tree.size + 1):
+        path_q = math.exp(sum(q(tree, j) for j in range(1, i + 1) if tree.ancestor_mask()[i, j]))
+        assert path_q <= prev + 1e-9
+        prev = path_q
+
+
+def test_treeflash_children_come_from_their_own_transition_row():
+    # Two slots, M = 2 candidates, K = 2 transitions. Slot 1 (root's child): tokens 10 (lp -0.1), 11 (-2.5).
+    # Slot 2 rows: after candidate 10 → [20, 21]; after candidate 11 → [30, 31].
+    candidates = torch.tensor([[10, 11], [20, 30]])
+    tokens = torch.tensor([[[10, 11], [10, 11]], [[20, 21], [30, 31]]])
+    logprobs = torch.tensor([[[-0.1, -2.5], [-0.1, -2.5]], [[-0.2, -1.0], [-0.05, -3.0]]])
+    tables = Transitions.from_candidates(candidates, tokens, logprobs)
+    assert tables.next_index[0, 0].tolist() == [0, 1]  # 10 is candidate 0, 11 candidate 1 of slot 1
+    assert (tables.next_index[1] == -1).all()
+    tree = treeflash(tables, root=5, budget=4)
+    tree.validate()
+    pairs = {(int(tree.tokens[tree.parents[i]]), int(tree.tokens[i])) for i in range(1, tree.size + 1)}
+    # Scores: 10: -0.1, 10→20: -0.3, 10→21: -1.1, 11: -2.5, 11→30: -2.55 — the best four.
+    assert pairs == {(5, 10), (10, 20), (10, 21), (5, 11)}
+    # A marginal-only DDTree would have put 30 under 11; TreeFlash never does (30 follows 11 only).
+    assert all(not (p == 10 and c == 30) for p, c in pairs)
+
+
+def test_treeflash_unexpandable_nodes_stay_leaves():
+    candidates = torch.tensor([[10, 11], [20, 21]])
+    tokens = torch.tensor([[[12, 10], [12, 10]], [[20, 21], [22, 23]]])  # 12 is not a slot-1 candidate
+    logprobs = torch.tensor([[[-0.1, -0.2], [-0.1, -0.2]], [[-0.1, -0.2], [-0.1, -0.2]]])
+    tables = Transitions.from_candidates(candidates, tokens, logprobs)
+    tree = treeflash(tables, root=5, budget=10)
+    children = tree.children()
+    node_12 = children[0][12]
+    assert children[node_12] == {}
+    assert set(children[children[0][10]]) == {20, 21}
+
+
+def test_recycling_template_shape():
+    template = recycling_template(80)
+    assert len(template) == 80 and len(set(template)) == 80
+    assert all(p[:-1] in set(template) for p in template if len(p) > 1)
+    per_depth = [sum(len(p) == d for p in template) for d in range(1, 7)]
+    assert per_depth[0] <= 8 and per_depth[1] > per_depth[0] and per_depth[-1] < per_depth[2]
+    assert set(recycling_template(16)) <= set(recycling_template(80))
+
+
+def test_retrieval_fills_from_adjacency_and_skips_unknown_and_duplicates():
+    adjacency = torch.full((10, 3), -1, dtype=torch.long)
+    adjacency[5] = torch.tensor([1, 2, 2])
+    adjacency[1] = torch.tensor([3, 4, -1])
+    template = [(0,), (1,), (2,), (0, 0), (0, 1), (0, 2), (1, 0), (0, 0, 0)]
+    tree = retrieval(adjacency, root=5, template=template)
+    tree.validate()
+    pairs = [(int(tree.tokens[tree.parents[i]]), int(tree.tokens[i])) for i in range(1, tree.size + 1)]
+    # (2,) duplicates token 2, (0, 2) is unknown, (1, 0) hangs under 2 whose row is unknown, 3's row is unknown.
+    assert pairs == [(5, 1), (5, 2), (1, 3), (1, 4)]

@@ -1,0 +1,92 @@
+"""Tree verification as pure functions: the attention mask against sequential decoding, greedy and sampled
+acceptance, warping, and KV compaction."""
+
+import torch
+from transformers import DynamicCache
+
+from trainer.spec.tree import Tree
+from trainer.spec.verify import Sampling, accept, accept_greedy, compact_cache, tree_attention_mask
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson goodness of fit of ``counts`` to ``probs``, cells with tiny expectation pooled into one."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum()[None]])
+    exp = torch.cat([expected[big].double(), expected[~big].double().sum()[None]])
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.double), stat / 2))
+
+
+def test_tree_mask_matches_sequential_decoding(tiny_qwen3):
+    torch.manual_seed(1)
+    ids = torch.randint(0, 97, (1, 12))
+    with torch.no_grad():
+        full = tiny_qwen3(ids).logits[0]
+        cache = DynamicCache(config=tiny_qwen3.config)
+        tiny_qwen3(ids[:, :8], cache=cache, use_cache=True)
+        # Root ids[8] with two branches: the true continuation ids[9], ids[10] and a decoy 5 → 6.
+        tree = Tree.from_lists([int(ids[0, 8]), int(ids[0, 9]), 5, int(ids[0, 10]), 6], [-1, 0, 0, 1, 2])
+        mask = tree_attention_mask(tree, 8, torch.float32, torch.device("cpu"))
+        out = tiny_qwen3(
+            tree.tokens[None], position_ids=(8 + tree.depths())[None], attention_mask=mask, cache=cache, use_cache=True
+        ).logits[0]
+    torch.testing.assert_close(out[[0, 1, 3]], full[[8, 9, 10]], atol=1e-4, rtol=1e-4)
+    # Compacting to the true branch leaves exactly the cache of the sequential prefix.
+    compact_cache(cache, 8, [0, 1, 3])
+    assert cache.get_seq_length() == 11
+    with torch.no_grad():
+        nxt = tiny_qwen3(ids[:, 11:12], cache=cache, use_cache=True).logits[0, -1]
+    torch.testing.assert_close(nxt, full[11], atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_acceptance_walks_the_argmax():
+    tree = Tree.from_lists([0, 1, 2, 3, 4], [-1, 0, 0, 1, 1])
+    logits = torch.zeros(5, 8)
+    logits[0, 1] = 1  # root → 1 (node 1)
+    logits[1, 4] = 1  # node 1 → 4 (node 4)
+    logits[4, 7] = 1  # node 4 → bonus 7
+    result = accept_greedy(tree, logits)
+    assert result.path == [0, 1, 4] and result.bonus == 7 and result.accepted == 2
+    logits[0] = 0
+    logits[0, 6] = 1  # no child carries 6
+    result = accept_greedy(tree, logits)
+    assert result.path == [0] and result.bonus == 6
+
+
+def test_sampled_acceptance_follows_the_target_distribution():
+    torch.manual_seed(0)
+    vocab = 6
+    tree = Tree.from_lists([0, 1, 2, 3], [-1, 0, 0, 1])
+    logits = torch.randn(4, vocab) * 1.5
+    sampling = Sampling(temperature=0.8)
+    probs = sampling.probs(logits)
+    gen = torch.Generator().manual_seed(0)
+    first = torch.zeros(vocab, dtype=torch.long)
+    second_after_1 = torch.zeros(vocab, dtype=torch.long)
+    for _ in range(6000):
+        r = accept(tree, logits, sampling, gen)
+        tokens = [int(tree.tokens[i]) for i in r.path[1:]] + [r.bonus]
+        first[tokens[0]] += 1
+        if tokens[0] == 1:
+            second_after_1[tokens[1]] += 1
+    assert chi2_pvalue(first, probs[0]) > 1e-3
+    # After token 1 (node 1), the next token must follow node 1's row, accepted into node 3 or not.
+    assert chi2_pvalue(second_after_1, probs[1]) > 1e-3
+    # The test has power: the draft-agnostic wrong answer (node 2's row) is rejected.
+    assert chi2_pvalue(second_after_1, probs[2]) < 1e-6
+
+
+def test_warping_top_k_top_p():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+    p = Sampling(temperature=1.0, top_k=2).probs(logits)
+    assert (p[2:] == 0).all() and torch.isclose(p.sum(), torch.tensor(1.0))
+    full = logits.softmax(-1)
+    p = Sampling(temperature=1.0, top_p=0.8).probs(logits)
+    kept = int((p > 0).sum())
+    assert full[: kept - 1].sum() < 0.8 <= full[:kept].sum()
+    torch.testing.assert_close(p[:kept], full[:kept] / full[:kept].sum())
