@@ -29,7 +29,8 @@ def shipped():
     torch.manual_seed(0)
     torch.nn.init.normal_(treeflash.ar_approximation.d.weight, std=0.05)
     lines = (ROOT / "data" / "prompts" / "stdlib_heldout.jsonl").read_text().splitlines()
-    prompts = [torch.tensor(tokenizer(json.loads(line)["prompt"], add_special_tokens=False)["input_ids"][-96:]) for line in lines[:8]]
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"][-96:]  # noqa: E731
+    prompts = [torch.tensor(encode(json.loads(line)["prompt"])) for line in lines[:8]]
     return target, dflash, treeflash, prompts
 
 

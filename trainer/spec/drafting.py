@@ -4,7 +4,7 @@ The engine tells a session what the target committed (``start`` after the prompt
 verification) and a tree builder asks it for drafts. A session says which target layers it reads
 (``layer_ids``) and counts its drafter forwards, so that drafting cost compares across drafters.
 
-- :class:`NoDraft`: plain autoregressive decoding (the baseline runs the same engine loop).
+- :class:`DraftSession` itself: no drafter, plain autoregressive decoding (the baseline runs the same loop).
 - :class:`BlockDraftSession`: DFlash; one block forward gives per-depth marginals (chain, DDTree).
 - :class:`TreeFlashSession`: DFlash marginals plus TreeFlash's transition tables (ALGORITHMS.md §4).
 - :class:`RecyclingSession`: no drafter; a Token-Recycling adjacency matrix learnt from the target's
@@ -18,7 +18,6 @@ On CPU, with the shipped tiny models::
 from __future__ import annotations
 
 import json
-from abc import ABC
 from pathlib import Path
 
 import torch
@@ -31,10 +30,11 @@ from trainer.errors import UserError
 from trainer.spec.tree import Transitions, Tree
 
 
-class DraftSession(ABC):
-    """Per-request drafter state. Subclasses that read target features set ``layer_ids``."""
+class DraftSession:
+    """Per-request drafter state; the base class drafts nothing. Subclasses that read target features set
+    ``layer_ids``; the hooks below do nothing unless a subclass needs them."""
 
-    layer_ids: list[int] = []
+    layer_ids: tuple[int, ...] = ()
     needs_prompt_logits: bool = False
 
     def __init__(self) -> None:
@@ -49,10 +49,6 @@ class DraftSession(ABC):
         every verified node."""
 
 
-class NoDraft(DraftSession):
-    """No drafter: every tree is the root alone, i.e. plain decoding."""
-
-
 class BlockDraftSession(DraftSession):
     """A DFlash drafter: context features are cached in the drafter's KV cache once, then one block forward
     per step from the root (``[root, MASK, ...]``) gives every depth's marginals."""
@@ -62,7 +58,7 @@ class BlockDraftSession(DraftSession):
         self.drafter = drafter
         self.embed = target.get_input_embeddings()
         self.head = target.get_output_embeddings()
-        self.layer_ids = list(drafter.target_layer_ids)
+        self.layer_ids = tuple(drafter.target_layer_ids)
         self.max_depth = drafter.block_size - 1
         self.cache = DynamicCache(config=drafter.config)
         # Target features of committed positions whose drafter keys are not cached yet. Shape: (1, C, n*H)
@@ -182,4 +178,6 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlash
     for name in architectures:
         if name in classes:
             return classes[name].from_pretrained(path, dtype=dtype).eval()
-    raise UserError(f"{config_file}: architectures {architectures} name no drafter this engine runs ({sorted(classes)})")
+    raise UserError(
+        f"{config_file}: architectures {architectures} name no drafter this engine runs ({sorted(classes)})"
+    )

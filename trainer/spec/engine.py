@@ -29,9 +29,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
-from trainer.spec.drafting import BlockDraftSession, DraftSession, NoDraft, RecyclingSession, TreeFlashSession
+from trainer.spec.drafting import BlockDraftSession, DraftSession, RecyclingSession, TreeFlashSession
 from trainer.spec.tree import Tree, chain, ddtree, recycling_template, retrieval, root_only, treeflash
-from trainer.spec.verify import Sampling, accept, compact_cache, tree_attention_mask
+from trainer.spec.verify import GREEDY, Sampling, accept, compact_cache, tree_attention_mask
 
 
 class Clock:
@@ -121,7 +121,7 @@ def make_session(tree: str, target: PreTrainedModel, drafter: torch.nn.Module | 
     if need is RecyclingSession:
         return RecyclingSession(target.config.vocab_size, device=target.device)
     if need is DraftSession:
-        return NoDraft()
+        return DraftSession()
     if drafter is None:
         raise UserError(f"tree builder {tree!r} needs a drafter (--drafter)")
     if isinstance(drafter, TreeFlashDraftModel):
@@ -168,7 +168,7 @@ def generate(
     prompt: torch.Tensor,
     max_new_tokens: int,
     budget: int,
-    sampling: Sampling = Sampling(),
+    sampling: Sampling = GREEDY,
     generator: torch.Generator | None = None,
     stop_token_ids: set[int] | None = None,
 ) -> Generation:

@@ -224,9 +224,9 @@ def recycling_template(budget: int, width: int = 8, decay: float = 0.5, max_dept
         paths.append(path)
         # Each path is pushed once: by its left sibling (rank > 0) or by its parent (rank 0).
         if path[-1] + 1 < width:
-            heapq.heappush(heap, (neg + log_p[path[-1]] - log_p[path[-1] + 1], path[:-1] + (path[-1] + 1,)))
+            heapq.heappush(heap, (neg + log_p[path[-1]] - log_p[path[-1] + 1], (*path[:-1], path[-1] + 1)))
         if len(path) < max_depth:
-            heapq.heappush(heap, (neg - log_p[0], path + (0,)))
+            heapq.heappush(heap, (neg - log_p[0], (*path, 0)))
     return sorted(paths, key=lambda p: (len(p), p))
 
 

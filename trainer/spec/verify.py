@@ -62,6 +62,9 @@ class Sampling:
         return int(torch.multinomial(self.probs(logits), 1, generator=generator))
 
 
+GREEDY = Sampling()
+
+
 def tree_attention_mask(tree: Tree, past_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive mask for verifying ``tree`` after ``past_len`` cached tokens: a node sees the whole prefix,
     its ancestors and itself. A float mask, because a boolean one is silently wrong with eager attention.
@@ -87,7 +90,9 @@ class Acceptance:
         return len(self.path) - 1
 
 
-def accept(tree: Tree, logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> Acceptance:
+def accept(
+    tree: Tree, logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None
+) -> Acceptance:
     """Walk the tree along the target's own choices. ``logits`` Shape: (N + 1, V), row ``i`` = after node ``i``.
 
     Only the rows on the walk are looked at, so sampling draws exactly one token per committed position,
@@ -105,7 +110,7 @@ def accept(tree: Tree, logits: torch.Tensor, sampling: Sampling, generator: torc
 
 
 def accept_greedy(tree: Tree, logits: torch.Tensor) -> Acceptance:
-    return accept(tree, logits, Sampling())
+    return accept(tree, logits, GREEDY)
 
 
 def compact_cache(cache: DynamicCache, past_len: int, keep: list[int]) -> None:
