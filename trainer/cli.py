@@ -26,10 +26,12 @@ COMMANDS = {
     "fit": "train a model from a recipe (resume with --ckpt_path last|PATH)",
     "validate": "run the validation loop of a recipe on a checkpoint (--ckpt_path PATH)",
     "data": "data jobs: `trainer data regenerate` (target-written responses), `trainer data cache` (features)",
+    "eval": "a drafter in lossless speculative decoding: τ, speed-up, acceptance by depth (--help)",
 }
 
 USAGE = """usage: trainer fit|validate --recipe NAME|PATH [--key.sub VALUE ...] [--print_config]
        trainer data regenerate|cache --help
+       trainer eval --drafter RUN|DIR --prompts FILE --tree NAME[,NAME] --budget N[,N] --out DIR
 
 commands:
 {commands}
@@ -126,6 +128,11 @@ def main(argv: list[str] | None = None) -> None:
             from trainer.data.cli import main as data_main
 
             data_main(rest)
+            return
+        if command == "eval":
+            from trainer.spec.evaluate import main as eval_main
+
+            eval_main(rest)
             return
         recipe_name, rest = _split_recipe_arg(rest)
         if recipe_name is None:

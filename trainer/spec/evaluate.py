@@ -1,0 +1,410 @@
+"""``trainer eval``: a drafter inside lossless speculative decoding, against plain decoding in the same run.
+
+For every condition (the requested temperature and, beside a sampled run, greedy), every tree builder and
+every budget, each prompt is decoded by the engine; plain decoding of the same target runs in the same loop
+on the same prompt right before it, so machine noise hits both alike. Reports τ (tokens per verification),
+tokens/s, speed-up, acceptance by depth, drafter forwards and the split of time between drafting, tree
+building and verification, plus the loop fraction and 4-gram repetition of the outputs (a looping target
+inflates τ). With ``--check-lossless`` every output is compared with plain decoding: exactly for greedy and,
+for sampling, under the same seed — verification draws one target sample per committed position from the
+same generator as plain sampling, so a lossless engine reproduces plain sampling token for token.
+
+Writes ``summary.json``, ``summary.md`` and PNG plots to ``--out``. On CPU with the shipped tiny models::
+
+    trainer eval --drafter checkpoints/runs/treeflash_tiny --prompts data/prompts/stdlib_heldout.jsonl \\
+        --tree ddtree,treeflash --budget 16,64 --max-new-tokens 64 --temperature 0.7 --out runs/eval --check-lossless
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from rich.console import Console
+from rich.progress import Progress
+from transformers import AutoTokenizer, PreTrainedModel
+
+from trainer.errors import UserError
+from trainer.paths import project_path
+from trainer.spec.drafting import RecyclingSession, load_drafter
+from trainer.spec.engine import BUILDERS, Generation, generate, make_session
+from trainer.spec.verify import Sampling
+from trainer.target import load_causal_lm
+from trainer.textstats import ends_in_loop, ngram_repetition
+
+PHASES = ("draft", "tree", "verify", "commit")
+
+
+# ---- inputs ---------------------------------------------------------------------------------------------------
+def read_prompts(path: Path) -> list[dict]:
+    """``{"id", "prompt"}`` rows of a JSONL file; a bad row is an error naming its line."""
+    if not path.is_file():
+        raise UserError(f"prompts file {path} does not exist")
+    rows, ids = [], set()
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or "id" not in row:
+            raise UserError(f'{path}:{n}: a prompts row is {{"id": ..., "prompt": "text"}}')
+        if row["id"] in ids:
+            raise UserError(f"{path}:{n}: duplicate id {row['id']!r}")
+        ids.add(row["id"])
+        rows.append(row)
+    if not rows:
+        raise UserError(f"{path} holds no prompts")
+    return rows
+
+
+def resolve_drafter(path: Path) -> tuple[Path, Path | None]:
+    """The HF directory of a drafter given it or a training run directory, and the run's resolved recipe
+    (``config.yaml``) when there is one."""
+    if not path.exists():
+        raise UserError(f"drafter {path} does not exist")
+    if (path / "config.json").is_file():
+        recipe = path.parent / "config.yaml"
+        return path, recipe if recipe.is_file() else None
+    exports = sorted(path.glob("**/hf/config.json"), key=lambda p: p.stat().st_mtime)
+    if not exports:
+        raise UserError(f"{path} is neither an HF drafter directory (config.json) nor a run with an <run>/hf export")
+    hf = exports[-1].parent
+    recipe = hf.parent / "config.yaml"
+    return hf, recipe if recipe.is_file() else None
+
+
+def recipe_target(recipe: Path) -> str:
+    """The target a run trained against, from its resolved recipe."""
+    config = yaml.safe_load(recipe.read_text())
+    try:
+        return config["model"]["init_args"]["target"]
+    except (KeyError, TypeError):
+        raise UserError(f"{recipe} names no model.init_args.target; pass --target") from None
+
+
+def parse_list(text: str, kind: type, name: str) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"--{name} takes a comma-separated list of {kind.__name__}, got {text!r}") from None
+    if not values:
+        raise UserError(f"--{name} is empty")
+    return values
+
+
+# ---- measurement ----------------------------------------------------------------------------------------------
+@dataclass
+class Totals:
+    """Sums over the prompts of one (condition, tree, budget) run."""
+
+    tokens: int = 0
+    steps: int = 0
+    committed: int = 0
+    decode_seconds: float = 0.0
+    forwards: int = 0
+    tree_nodes: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    # accepted_hist[a] = steps that accepted exactly a drafts.
+    accepted_hist: list[int] = field(default_factory=list)
+
+    def add(self, g: Generation) -> None:
+        self.tokens += len(g.tokens) - 1
+        self.steps += len(g.steps)
+        self.decode_seconds += g.decode_seconds
+        for s in g.steps:
+            self.committed += s.committed
+            self.forwards += s.forwards
+            self.tree_nodes += s.tree_size
+            for phase, sec in s.seconds.items():
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + sec
+            if s.accepted >= len(self.accepted_hist):
+                self.accepted_hist += [0] * (s.accepted + 1 - len(self.accepted_hist))
+            self.accepted_hist[s.accepted] += 1
+
+    def summary(self) -> dict:
+        steps = max(self.steps, 1)
+        hist = np.array(self.accepted_hist or [0], dtype=np.float64)
+        # P(accepted >= d) for d = 1..max: the acceptance rate by depth.
+        at_least = hist[::-1].cumsum()[::-1][1:] / steps
+        return {
+            "tau": self.committed / steps,
+            "tokens_per_s": self.tokens / self.decode_seconds if self.decode_seconds else 0.0,
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "mean_tree_size": self.tree_nodes / steps,
+            "drafter_forwards_per_step": self.forwards / steps,
+            "ms_per_step": {k: 1000 * v / steps for k, v in self.seconds.items()},
+            "acceptance_by_depth": at_least.tolist(),
+        }
+
+
+def degeneration(outputs: list[list[int]]) -> dict:
+    return {
+        "loop_fraction": float(np.mean([ends_in_loop(o) for o in outputs])),
+        "repetition_4gram": float(np.mean([ngram_repetition(o, 4) for o in outputs])),
+    }
+
+
+def evaluate(
+    target: PreTrainedModel,
+    drafter: torch.nn.Module | None,
+    prompts: list[dict],
+    encoded: list[torch.Tensor],
+    trees: list[str],
+    budgets: list[int],
+    conditions: dict[str, Sampling],
+    max_new_tokens: int,
+    seed: int,
+    check_lossless: bool,
+    stop_token_ids: set[int],
+) -> dict:
+    """Every (condition, tree, budget) over every prompt, with plain decoding beside it. The summary dict."""
+    runs = [(c, t, b) for c in conditions for t in trees for b in budgets]
+    # Token Recycling keeps its adjacency matrix across requests ("hot start"): one session per run.
+    recycling: dict[tuple, RecyclingSession] = {}
+    per_prompt: dict[tuple, list[dict]] = {key: [] for key in runs}
+    totals: dict[tuple, Totals] = {key: Totals() for key in runs}
+    baseline = {c: Totals() for c in conditions}
+    baseline_outputs: dict[str, list[list[int]]] = {c: [] for c in conditions}
+
+    def run(cond: str, tree: str, budget: int, i: int) -> Generation:
+        key = (cond, tree, budget)
+        if tree == "recycling":
+            session = recycling.setdefault(key, make_session(tree, target, drafter))
+        else:
+            session = make_session(tree, target, drafter)
+        gen = torch.Generator(device=target.device).manual_seed(seed + i)
+        return generate(
+            target, session, BUILDERS[tree], encoded[i], max_new_tokens, budget, conditions[cond], gen, stop_token_ids
+        )
+
+    # Warm-up outside the measurement: allocator, kernels, lazy imports.
+    for tree in trees:
+        run(next(iter(conditions)), tree, budgets[0], 0)
+    recycling.clear()
+
+    with Progress(transient=True) as progress:
+        task = progress.add_task("decoding", total=len(prompts) * (len(runs) + len(conditions)))
+        for i, row in enumerate(prompts):
+            for cond in conditions:
+                plain = run(cond, "none", 0, i)
+                baseline[cond].add(plain)
+                baseline_outputs[cond].append(plain.tokens)
+                progress.advance(task)
+                for tree in trees:
+                    for budget in budgets:
+                        key = (cond, tree, budget)
+                        g = run(cond, tree, budget, i)
+                        totals[key].add(g)
+                        record = {"id": row["id"], "tau": g.tau, "tokens": g.tokens}
+                        if check_lossless:
+                            record["lossless"] = g.tokens == plain.tokens
+                        per_prompt[key].append(record)
+                        progress.advance(task)
+
+    summary: dict = {"conditions": {}}
+    for cond, sampling in conditions.items():
+        base = baseline[cond].summary()
+        entry = {
+            "sampling": asdict(sampling),
+            "plain": {**base, **degeneration(baseline_outputs[cond])},
+            "runs": {},
+        }
+        for tree in trees:
+            for budget in budgets:
+                key = (cond, tree, budget)
+                result = totals[key].summary()
+                result["speedup"] = result["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
+                result.update(degeneration([p["tokens"] for p in per_prompt[key]]))
+                if check_lossless:
+                    result["lossless"] = all(p["lossless"] for p in per_prompt[key])
+                result["prompts"] = per_prompt[key]
+                entry["runs"].setdefault(tree, {})[str(budget)] = result
+        summary["conditions"][cond] = entry
+    return summary
+
+
+# ---- reports --------------------------------------------------------------------------------------------------
+def markdown(summary: dict) -> str:
+    lines = []
+    for cond, entry in summary["conditions"].items():
+        plain = entry["plain"]
+        lines += [
+            f"## {cond}: {entry['sampling']}",
+            "",
+            f"Plain decoding: {plain['tokens_per_s']:.1f} tokens/s, loop fraction {plain['loop_fraction']:.2f}, "
+            f"4-gram repetition {plain['repetition_4gram']:.3f}.",
+            "",
+            "| tree | budget | τ | tokens/s | speed-up | drafter fwd/step | draft ms | tree ms | verify ms "
+            "| accept@1 | accept@4 | loop frac | lossless |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for tree, by_budget in entry["runs"].items():
+            for budget, r in by_budget.items():
+                acc = r["acceptance_by_depth"] + [0.0] * 4
+                ms = r["ms_per_step"]
+                lossless = {True: "yes", False: "**NO**"}.get(r.get("lossless"), "–")
+                lines.append(
+                    f"| {tree} | {budget} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× "
+                    f"| {r['drafter_forwards_per_step']:.2f} | {ms.get('draft', 0):.2f} | {ms.get('tree', 0):.2f} "
+                    f"| {ms.get('verify', 0):.2f} | {acc[0]:.2f} | {acc[3]:.2f} | {r['loop_fraction']:.2f} "
+                    f"| {lossless} |"
+                )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plots(summary: dict, out: Path) -> list[Path]:
+    """τ vs budget per tree, and acceptance by depth per run; one PNG each, a line per condition × tree."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for cond, entry in summary["conditions"].items():
+        for tree, by_budget in entry["runs"].items():
+            budgets = sorted(by_budget, key=int)
+            ax.plot([int(b) for b in budgets], [by_budget[b]["tau"] for b in budgets], marker="o", label=f"{tree} ({cond})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("node budget")
+    ax.set_ylabel("τ (tokens per verification)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    written.append(out / "tau_vs_budget.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for cond, entry in summary["conditions"].items():
+        for tree, by_budget in entry["runs"].items():
+            for budget, r in by_budget.items():
+                acc = r["acceptance_by_depth"]
+                ax.plot(range(1, len(acc) + 1), acc, marker=".", label=f"{tree}@{budget} ({cond})")
+    ax.set_xlabel("depth d")
+    ax.set_ylabel("P(accepted ≥ d)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    written.append(out / "acceptance_by_depth.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+    return written
+
+
+# ---- command --------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="trainer eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--drafter", type=Path, help="training run directory or exported HF drafter directory")
+    p.add_argument("--prompts", type=Path, required=True, help='JSONL, one {"id", "prompt"} per line')
+    p.add_argument("--tree", default="ddtree", help=f"comma-separated builders: {', '.join(sorted(BUILDERS))}")
+    p.add_argument("--budget", default="16", help="comma-separated node budgets (draft nodes, root excluded)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = lossless speculative sampling")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument(
+        "--no-greedy-beside",
+        action="store_true",
+        help="with --temperature > 0, skip the greedy run reported beside the sampled one",
+    )
+    p.add_argument("--out", type=Path, required=True, help="output directory (summary.json, summary.md, PNGs)")
+    p.add_argument("--check-lossless", action="store_true", help="compare every output with plain decoding")
+    p.add_argument("--target", help="target HF directory or hub id (default: the drafter run's recipe target)")
+    p.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="decode max-new-tokens even past end-of-text")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", help="target and drafter dtype: float32 | bfloat16 | float16")
+    return p
+
+
+def main(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    trees = parse_list(args.tree, str, "tree")
+    for tree in trees:
+        if tree not in BUILDERS or tree == "none":
+            raise UserError(f"unknown tree builder {tree!r}; choose from {sorted(set(BUILDERS) - {'none'})}")
+    budgets = parse_list(args.budget, int, "budget")
+    if min(budgets) < 1:
+        raise UserError("--budget values must be at least 1 node")
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be at least 1")
+    try:
+        headline = Sampling(args.temperature, args.top_p, args.top_k)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    prompts = read_prompts(args.prompts)[: args.limit]
+
+    drafter, target_name = None, args.target
+    if args.drafter is not None:
+        hf, recipe = resolve_drafter(args.drafter)
+        if target_name is None:
+            if recipe is None:
+                raise UserError(f"{hf} comes without a run recipe naming its target; pass --target")
+            target_name = recipe_target(recipe)
+        drafter = load_drafter(hf, getattr(torch, args.dtype)).to(args.device)
+    elif any(BUILDERS[t].session.__name__ != "RecyclingSession" for t in trees):
+        raise UserError(f"trees {trees} need a drafter: pass --drafter")
+    if target_name is None:
+        raise UserError("pass --target (no drafter run to take it from)")
+    target = load_causal_lm(str(project_path(target_name)), args.dtype, device=args.device)
+    tokenizer = AutoTokenizer.from_pretrained(str(project_path(target_name)))
+    encoded = [torch.tensor(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) for r in prompts]
+    if any(e.numel() == 0 for e in encoded):
+        empty = next(r["id"] for r, e in zip(prompts, encoded, strict=True) if e.numel() == 0)
+        raise UserError(f"{args.prompts}: prompt {empty!r} encodes to no tokens")
+    stops = set() if args.ignore_eos or tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
+
+    conditions = {"greedy": headline} if headline.greedy else {f"T={args.temperature:g}": headline}
+    if not headline.greedy and not args.no_greedy_beside:
+        conditions["greedy"] = Sampling()
+    start = time.perf_counter()
+    summary = evaluate(
+        target, drafter, prompts, encoded, trees, budgets, conditions, args.max_new_tokens, args.seed,
+        args.check_lossless, stops,
+    )  # fmt: skip
+    summary.update(
+        drafter=str(args.drafter) if args.drafter else None,
+        target=target_name,
+        prompts=str(args.prompts),
+        n_prompts=len(prompts),
+        max_new_tokens=args.max_new_tokens,
+        device=args.device,
+        dtype=args.dtype,
+        seconds=time.perf_counter() - start,
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = args.out / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1) + "\n")
+    tmp.replace(args.out / "summary.json")
+    report = markdown(summary)
+    (args.out / "summary.md").write_text(report + "\n")
+    written = plots(summary, args.out)
+    console = Console()
+    console.print(report)
+    console.print(f"wrote {args.out / 'summary.json'}, summary.md, {', '.join(p.name for p in written)}")
+    failed = [
+        f"{cond} {tree}@{budget}"
+        for cond, entry in summary["conditions"].items()
+        for tree, by_budget in entry["runs"].items()
+        for budget, r in by_budget.items()
+        if r.get("lossless") is False
+    ]
+    if failed:
+        raise UserError(f"outputs differ from plain decoding: {', '.join(failed)} (see summary.json)")
+    if math.isnan(summary["seconds"]):
+        raise UserError("evaluation produced no timing")
