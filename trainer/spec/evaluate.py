@@ -275,7 +275,9 @@ def plots(summary: dict, out: Path) -> list[Path]:
     for cond, entry in summary["conditions"].items():
         for tree, by_budget in entry["runs"].items():
             budgets = sorted(by_budget, key=int)
-            ax.plot([int(b) for b in budgets], [by_budget[b]["tau"] for b in budgets], marker="o", label=f"{tree} ({cond})")
+            ax.plot(
+                [int(b) for b in budgets], [by_budget[b]["tau"] for b in budgets], marker="o", label=f"{tree} ({cond})"
+            )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("node budget")
     ax.set_ylabel("τ (tokens per verification)")

@@ -14,8 +14,10 @@ Every builder here is a function of tensors and a budget, testable without a mod
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -209,7 +211,10 @@ def treeflash(transitions: Transitions, root: int, budget: int) -> Tree:
     return _best_first(root, budget, (logprobs[0][0][0], (0, 0), tokens[0][0][0]), sibling, child)
 
 
-def recycling_template(budget: int, width: int = 8, decay: float = 0.5, max_depth: int = 6) -> list[tuple[int, ...]]:
+@functools.cache
+def recycling_template(
+    budget: int, width: int = 8, decay: float = 0.5, max_depth: int = 6
+) -> tuple[tuple[int, ...], ...]:
     """A static Token-Recycling style template: ``budget`` rank paths, parents before children.
 
     Paths are chosen best-first under a fixed prior where the ``r``-th most likely successor is right with
@@ -227,16 +232,16 @@ def recycling_template(budget: int, width: int = 8, decay: float = 0.5, max_dept
             heapq.heappush(heap, (neg + log_p[path[-1]] - log_p[path[-1] + 1], (*path[:-1], path[-1] + 1)))
         if len(path) < max_depth:
             heapq.heappush(heap, (neg - log_p[0], (*path, 0)))
-    return sorted(paths, key=lambda p: (len(p), p))
+    return tuple(sorted(paths, key=lambda p: (len(p), p)))
 
 
-def retrieval(adjacency: torch.Tensor, root: int, template: list[tuple[int, ...]]) -> Tree:
+def retrieval(adjacency: torch.Tensor, root: int, template: Sequence[tuple[int, ...]]) -> Tree:
     """Fill a rank-path template from an adjacency matrix: ``token(node) = adjacency[token(parent), rank]``.
 
     ``adjacency`` Shape: (V, W) successor ids, best first. Paths whose token repeats a sibling's (an adjacency
     row with repeated ids) are dropped together with their subtree; -1 entries (no successor known) likewise.
     """
-    rows = adjacency.tolist()
+    rows: dict[int, list[int]] = {}
     tokens, parents = [root], [-1]
     index: dict[tuple[int, ...], int] = {(): 0}
     taken: set[tuple[int, int]] = set()
@@ -244,7 +249,11 @@ def retrieval(adjacency: torch.Tensor, root: int, template: list[tuple[int, ...]
         parent = index.get(path[:-1])
         if parent is None:
             continue
-        token = rows[tokens[parent]][path[-1]]
+        source = tokens[parent]
+        if source not in rows:
+            # Only the rows the template reaches, not the whole (V, W) matrix, cross to Python.
+            rows[source] = adjacency[source].tolist()
+        token = rows[source][path[-1]]
         if token < 0 or (parent, token) in taken:
             continue
         taken.add((parent, token))

@@ -1,0 +1,93 @@
+"""`trainer eval` end to end on config-built models, and its input errors."""
+
+import json
+
+import pytest
+import yaml
+
+from tests.conftest import make_tiny_target
+from trainer.cli import main
+from trainer.drafters.dflash import DFlashDraftModel, build_config
+from trainer.drafters.treeflash import TreeFlashDraftModel
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A config-built target, a DFlash drafter as a bare HF dir, a TreeFlash drafter inside a run directory."""
+    import torch
+
+    root = tmp_path_factory.mktemp("eval")
+    config = make_tiny_target(root / "target", num_layers=4)
+    torch.manual_seed(0)
+    dflash = DFlashDraftModel(build_config(config, 1, 8, mask_token_id=3))
+    dflash.save_pretrained(root / "dflash")
+    treeflash = TreeFlashDraftModel.from_dflash(dflash)
+    version = root / "run" / "lightning_logs" / "version_0"
+    treeflash.save_pretrained(version / "hf")
+    (version / "config.yaml").write_text(yaml.safe_dump({"model": {"init_args": {"target": str(root / "target")}}}))
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(
+        "\n".join(json.dumps({"id": f"p{i}", "prompt": f"def f{i}(x):\n    return x"}) for i in range(2)) + "\n"
+    )
+    return root
+
+
+def test_eval_writes_summary_for_every_tree_budget_and_condition(setup, capsys):
+    out = setup / "out"
+    main(
+        ["eval", "--drafter", str(setup / "run"), "--prompts", str(setup / "prompts.jsonl"),
+         "--tree", "chain,ddtree,treeflash,recycling", "--budget", "4,8", "--max-new-tokens", "12",
+         "--temperature", "0.7", "--top-k", "50", "--out", str(out), "--check-lossless", "--ignore-eos"]
+    )  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["conditions"]) == {"T=0.7", "greedy"}
+    assert summary["conditions"]["T=0.7"]["sampling"] == {"temperature": 0.7, "top_p": 1.0, "top_k": 50}
+    for cond in summary["conditions"].values():
+        assert cond["plain"]["tau"] == 1.0
+        assert set(cond["runs"]) == {"chain", "ddtree", "treeflash", "recycling"}
+        for by_budget in cond["runs"].values():
+            assert set(by_budget) == {"4", "8"}
+            for budget, r in by_budget.items():
+                assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0 and r["speedup"] > 0
+                assert r["lossless"] is True
+                assert r["mean_tree_size"] <= int(budget)
+                assert [p["id"] for p in r["prompts"]] == ["p0", "p1"]
+                assert all(len(p["tokens"]) == 12 and p["lossless"] for p in r["prompts"])
+                assert 0 <= r["loop_fraction"] <= 1 and "repetition_4gram" in r
+                assert set(r["ms_per_step"]) >= {"verify"}
+    greedy = summary["conditions"]["greedy"]["runs"]
+    # Sessions that draft count their forwards; recycling has no drafter.
+    assert greedy["ddtree"]["4"]["drafter_forwards_per_step"] == 1.0
+    assert greedy["recycling"]["4"]["drafter_forwards_per_step"] == 0.0
+    assert summary["target"] == str(setup / "target")
+    for name in ("summary.md", "tau_vs_budget.png", "acceptance_by_depth.png"):
+        assert (out / name).stat().st_size > 0
+    assert "| treeflash | 8 |" in (out / "summary.md").read_text()
+
+
+def run_expecting_error(capsys, *args) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", *args])
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_eval_input_errors(setup, capsys, tmp_path):
+    prompts, dflash = str(setup / "prompts.jsonl"), str(setup / "dflash")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "prompt": "x"}\n{"id": 2, "prompt": \n')
+    err = run_expecting_error(capsys, "--drafter", dflash, "--target", str(setup / "target"), "--prompts", str(bad),
+                              "--out", str(tmp_path / "o"))  # fmt: skip
+    assert "bad.jsonl:2: not JSON" in err
+    err = run_expecting_error(capsys, "--drafter", dflash, "--prompts", prompts, "--out", str(tmp_path / "o"))
+    assert "pass --target" in err
+    err = run_expecting_error(capsys, "--drafter", dflash, "--target", str(setup / "target"), "--prompts", prompts,
+                              "--tree", "treeflash", "--out", str(tmp_path / "o"))  # fmt: skip
+    assert "needs a TreeFlash drafter" in err and "DFlashDraftModel" in err
+    err = run_expecting_error(capsys, "--drafter", dflash, "--prompts", prompts, "--tree", "ddtre",
+                              "--out", str(tmp_path / "o"))  # fmt: skip
+    assert "unknown tree builder 'ddtre'" in err
+    err = run_expecting_error(capsys, "--drafter", str(tmp_path / "nope"), "--prompts", prompts,
+                              "--out", str(tmp_path / "o"))  # fmt: skip
+    assert "does not exist" in err
+    assert not (tmp_path / "o").exists()
