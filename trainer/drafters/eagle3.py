@@ -1,0 +1,362 @@
+"""EAGLE-3 drafter (ALGORITHMS.md §6): one decoder layer over fused target features, a reduced draft vocabulary.
+
+The target's hidden states of three layers - HF ``hidden_states`` indices ``[2, L//2, L-3]`` of an ``L``-layer
+target, i.e. the outputs of decoder layers ``[1, L//2-1, L-4]`` in this project's layer-id convention
+(``hidden_states[l+1]`` is the output of layer ``l``; :attr:`Eagle3DraftModel.target_layer_ids` gives them in
+that convention for :class:`trainer.target.Target`) - are concatenated per position and fused by
+``fc: 3H -> H``. One decoder layer (``midlayer``) then reads, per position, a hidden state ``h`` (the fused
+feature, or the drafter's own previous pre-norm output when it drafts further ahead) and the target's input
+embedding ``e`` of a token: its queries, keys and values are projected from
+``concat[input_layernorm(e), hidden_norm(h)]`` (``2H`` wide), with RoPE and grouped-query attention; the
+residual stream is ``h``; a SwiGLU MLP follows. The final ``norm`` and ``lm_head`` give logits over the draft
+vocabulary; ``d2t`` maps a draft id ``d`` to the target id ``d + d2t[d]``, and ``t2d`` marks the target ids
+that have a draft id. The drafter owns no input embedding: the caller embeds tokens with the target's.
+
+Position ``t`` fed ``(f_t, E[x_{t+1}])`` predicts ``x_{t+2}``; fed its own output and ``E[x_{t+2}]`` at the
+next position it predicts ``x_{t+3}``, and so on.
+
+Parameter names and ``config.json`` follow SGLang's ``LlamaForCausalLMEagle3`` export: a Llama config with
+``num_hidden_layers: 1``, ``draft_vocab_size``, ``eagle_config: {eagle_aux_hidden_state_layer_ids}`` and
+weights ``midlayer.*``, ``fc.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``. ``config.json``
+also carries the legacy ``rope_theta`` / ``rope_scaling`` keys for engines on transformers 4.x.
+
+On CPU, with a config-built Qwen3 target::
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from trainer.drafters.eagle3 import Eagle3DraftModel, build_config
+
+    target = Qwen3ForCausalLM(Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=8)).eval()
+    drafter = Eagle3DraftModel(build_config(target.config, draft_vocab_size=64))
+    ids = torch.randint(0, 97, (1, 10))                                              # x_0 .. x_9
+    hidden = target(ids, output_hidden_states=True).hidden_states
+    features = torch.cat([hidden[i] for i in drafter.aux_layer_ids], dim=-1)        # (1, 10, 3*32)
+    embeds = target.get_input_embeddings()(ids[:, 1:])                               # E[x_{t+1}], t < 9
+    cache = drafter.make_cache()
+    out = drafter(drafter.fuse(features[:, :-1]), embeds, torch.arange(9)[None], past_key_values=cache,
+                  use_cache=True)                                                    # (1, 9, 32)
+    draft = drafter.to_target(drafter.logits(out[:, -1]).argmax(-1))                 # a guess at x_10
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import LlamaConfig, PretrainedConfig
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaPreTrainedModel,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from trainer.data.vocab import DraftVocab
+from trainer.errors import UserError
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def aux_layer_ids(num_target_layers: int) -> list[int]:
+    """EAGLE-3's feature layers as HF ``hidden_states`` indices: a low, a middle and a high layer."""
+    if num_target_layers < 4:
+        raise UserError(
+            f"EAGLE-3 reads target layers 2, L//2 and L-3: the target needs >= 4 layers, has {num_target_layers}"
+        )
+    return [2, num_target_layers // 2, num_target_layers - 3]
+
+
+# build_config's argument `aux_layer_ids` shadows the function of that name inside it.
+_default_aux_layer_ids = aux_layer_ids
+
+
+def build_config(
+    target_config: PretrainedConfig,
+    draft_vocab_size: int,
+    aux_layer_ids: Sequence[int] | None = None,
+    **overrides: Any,
+) -> LlamaConfig:
+    """A drafter config for ``target_config``: its width, heads, RoPE, vocabulary size and norm eps.
+
+    The hidden size must equal the target's (the inputs are the target's embeddings and hidden states);
+    ``intermediate_size`` and the rest may be overridden. ``aux_layer_ids`` are HF ``hidden_states`` indices,
+    default :func:`aux_layer_ids`.
+    """
+    text = target_config.get_text_config()
+    num_target_layers = text.num_hidden_layers
+    if not 0 < draft_vocab_size <= text.vocab_size:
+        raise UserError(
+            f"draft_vocab_size must be within 1..{text.vocab_size} (the target's vocabulary), got {draft_vocab_size}"
+        )
+    aux = _default_aux_layer_ids(num_target_layers) if aux_layer_ids is None else [int(i) for i in aux_layer_ids]
+    if len(aux) != 3 or any(not 1 <= i <= num_target_layers for i in aux):
+        raise UserError(
+            f"eagle_aux_hidden_state_layer_ids {aux} must be three HF hidden_states indices within "
+            f"1..{num_target_layers} (the target's layer outputs)"
+        )
+    if overrides.get("hidden_size", text.hidden_size) != text.hidden_size:
+        raise UserError(
+            f"the drafter's hidden_size must equal the target's ({text.hidden_size}): it reads the target's "
+            f"embeddings and hidden states; got hidden_size={overrides['hidden_size']}"
+        )
+    num_heads = text.num_attention_heads
+    fields: dict[str, Any] = {
+        "vocab_size": text.vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "hidden_size": text.hidden_size,
+        "intermediate_size": text.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or num_heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // num_heads,
+        "hidden_act": getattr(text, "hidden_act", "silu"),
+        "max_position_embeddings": text.max_position_embeddings,
+        "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux},
+        "architectures": [ARCHITECTURE],
+    }
+    for token in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        fields[token] = getattr(text, token, None)
+    rope = getattr(text, "rope_parameters", None)
+    if rope:
+        fields["rope_parameters"] = copy.deepcopy(dict(rope))
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+def legacy_rope_fields(rope_parameters: dict[str, Any]) -> dict[str, Any]:
+    """``rope_theta`` and (for scaled RoPE) ``rope_scaling`` as transformers 4.x configs spell them."""
+    out: dict[str, Any] = {"rope_theta": rope_parameters["rope_theta"]}
+    if rope_parameters.get("rope_type", "default") != "default":
+        out["rope_scaling"] = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+    return out
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention whose q/k/v read the ``2H``-wide ``concat[embedding, hidden]`` input."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        width = 2 * config.hidden_size
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.num_key_value_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.num_key_value_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor,
+        cache: Cache | None,
+        update_cache: bool,
+    ) -> torch.Tensor:
+        # Shape: x (B, T, 2H); attention_mask (B or 1, 1, T, P + T) additive, P the cached positions
+        batch, q_len, _ = x.shape
+        # Shape: query (B, heads, T, D); key, value (B, kv_heads, T, D)
+        query = self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        key = self.k_proj(x).view(batch, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        value = self.v_proj(x).view(batch, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+
+        if cache is not None and update_cache:
+            # Shape: (B, kv_heads, P + T, D)
+            key, value = cache.update(key, value, 0)
+        elif cache is not None and cache.get_seq_length(0) > 0:
+            # Read the cached keys without keeping the new ones (e.g. scoring candidates that will be dropped).
+            layer = cache.layers[0]
+            key, value = torch.cat([layer.keys, key], dim=-2), torch.cat([layer.values, value], dim=-2)
+
+        # Grouped-query attention: each key/value head serves `num_key_value_groups` query heads.
+        key = key.repeat_interleave(self.num_key_value_groups, dim=1)
+        value = value.repeat_interleave(self.num_key_value_groups, dim=1)
+        # Shape: (B, heads, T, D)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=self.scaling)
+        # Shape: (B, T, heads * D) -> (B, T, H)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The one drafter layer: attention over ``concat[input_layernorm(e), hidden_norm(h)]``, residual on ``h``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        input_embeds: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor,
+        cache: Cache | None,
+        update_cache: bool,
+    ) -> torch.Tensor:
+        # Shape: hidden, input_embeds (B, T, H) -> (B, T, 2H): the token first, then the hidden state
+        x = torch.cat([self.input_layernorm(input_embeds), self.hidden_norm(hidden)], dim=-1)
+        hidden = hidden + self.self_attn(x, position_embeddings, attention_mask, cache, update_cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3DraftModel(LlamaPreTrainedModel):
+    """The EAGLE-3 drafter: ``fc`` over three target features, ``midlayer``, ``norm``, draft-vocabulary ``lm_head``."""
+
+    main_input_name = "input_embeds"
+    _no_split_modules: ClassVar[list[str]] = ["Eagle3DecoderLayer"]
+    # The attention calls torch's SDPA directly with an additive mask; other kernels are not wired in.
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _can_record_outputs: ClassVar[dict] = {}
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        if config.num_hidden_layers != 1:
+            raise UserError(
+                f"an EAGLE-3 drafter has exactly one decoder layer; the config has {config.num_hidden_layers}"
+            )
+        eagle = getattr(config, "eagle_config", None) or {}
+        if "eagle_aux_hidden_state_layer_ids" not in eagle or not getattr(config, "draft_vocab_size", None):
+            raise UserError(
+                "an EAGLE-3 config needs draft_vocab_size and eagle_config.eagle_aux_hidden_state_layer_ids"
+            )
+        self.aux_layer_ids: list[int] = [int(i) for i in eagle["eagle_aux_hidden_state_layer_ids"]]
+        hidden, draft_vocab = config.hidden_size, config.draft_vocab_size
+        self.midlayer = Eagle3DecoderLayer(config)
+        # [H, 3H]: the three concatenated target hidden states to one hidden state per position.
+        self.fc = nn.Linear(len(self.aux_layer_ids) * hidden, hidden, bias=False)
+        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        # Until a vocabulary is set, draft id d is target id d.
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[:draft_vocab] = True
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        self.register_buffer("t2d", t2d)
+        self.post_init()
+
+    # ---- vocabulary ---------------------------------------------------------------------------------------
+    @property
+    def target_layer_ids(self) -> list[int]:
+        """The feature layers in this project's layer-id convention (``hidden_states[l + 1]``), for ``Target``."""
+        return [i - 1 for i in self.aux_layer_ids]
+
+    @property
+    def draft_vocab(self) -> DraftVocab:
+        return DraftVocab(d2t=self.d2t, t2d=self.t2d)
+
+    def set_draft_vocab(self, vocab: DraftVocab) -> None:
+        """Adopt ``vocab`` (its size must equal ``draft_vocab_size``, its target vocabulary the config's)."""
+        if vocab.d2t.shape != self.d2t.shape or vocab.t2d.shape != self.t2d.shape:
+            raise UserError(
+                f"draft vocabulary of {vocab.d2t.numel()} ids over {vocab.t2d.numel()} target ids does not fit a "
+                f"drafter with draft_vocab_size {self.d2t.numel()} and vocab_size {self.t2d.numel()}"
+            )
+        self.d2t.copy_(vocab.d2t)
+        self.t2d.copy_(vocab.t2d)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft ids. Shape: any → same."""
+        return draft_ids + self.d2t[draft_ids]
+
+    # ---- forward ------------------------------------------------------------------------------------------
+    def make_cache(self) -> DynamicCache:
+        """An empty KV cache for :meth:`forward` (one layer)."""
+        return DynamicCache(config=self.config)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Shape: (..., 3H) target features (the ``aux_layer_ids`` hidden states concatenated) → (..., H)."""
+        if features.shape[-1] != self.fc.in_features:
+            raise ValueError(
+                f"features have {features.shape[-1]} channels; expected {self.fc.in_features} "
+                f"(the target's hidden_states {self.aux_layer_ids} concatenated)"
+            )
+        return self.fc(features)
+
+    def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """Shape: (..., H) pre-norm output of :meth:`forward` → (..., draft_vocab_size) draft-vocabulary logits."""
+        return self.lm_head(self.norm(prenorm))
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        input_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool = False,
+    ) -> torch.Tensor:
+        """The pre-norm output hidden state of every new position. Shape: (B, T, H).
+
+        - ``hidden`` (B, T, H): :meth:`fuse` of the target features at each position, or the drafter's own
+          pre-norm output (this method's return value) at the position a drafted token continues from.
+        - ``input_embeds`` (B, T, H): the target's input embedding of the token at each position (the token
+          *after* the position whose hidden state is given).
+        - ``position_ids`` (B, T): RoPE positions of the new positions.
+        - ``attention_mask``: ``None`` for causal attention over the ``P`` cached positions and the new ones in
+          order, or an additive float mask (B or 1, 1, T, P + T), ``0`` where a new position may attend and
+          ``finfo.min`` elsewhere (a tree mask, or packed samples). A boolean mask is refused.
+        - ``past_key_values``: a cache from :meth:`make_cache`; its keys come first in the key sequence.
+        - ``use_cache``: append the new keys/values to ``past_key_values`` (else it is only read). Drop drafted
+          positions afterwards with ``past_key_values.crop(-n)`` (transformers 5.x takes the count to remove).
+        """
+        if use_cache and past_key_values is None:
+            raise ValueError("use_cache=True needs a cache from make_cache() in past_key_values")
+        q_len = input_embeds.shape[1]
+        if hidden.shape != input_embeds.shape or position_ids.shape[-1] != q_len:
+            raise ValueError(
+                f"hidden {tuple(hidden.shape)}, input_embeds {tuple(input_embeds.shape)} and position_ids "
+                f"{tuple(position_ids.shape)} must cover the same (B, T) positions"
+            )
+        past = past_key_values.get_seq_length(0) if past_key_values is not None else 0
+        dtype = hidden.dtype
+        if attention_mask is None:
+            allowed = torch.ones(q_len, past + q_len, dtype=torch.bool, device=hidden.device).tril(past)
+            attention_mask = torch.zeros(allowed.shape, dtype=dtype, device=hidden.device)
+            attention_mask = attention_mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+        elif attention_mask.dtype == torch.bool:
+            raise ValueError("attention_mask must be additive float (0 / finfo.min), not boolean")
+        else:
+            # finfo(float32).min is not representable in float16; clamping first keeps the mask finite.
+            attention_mask = attention_mask.float().clamp_min(torch.finfo(dtype).min).to(dtype)
+        if attention_mask.shape[-2:] != (q_len, past + q_len):
+            raise ValueError(
+                f"attention_mask covers {tuple(attention_mask.shape[-2:])} (queries, keys); expected "
+                f"({q_len}, {past + q_len}) for {q_len} new and {past} cached positions"
+            )
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        return self.midlayer(hidden, input_embeds, position_embeddings, attention_mask, past_key_values, use_cache)
+
+    def save_pretrained(self, save_directory: str | Path, **kwargs: Any) -> None:
+        """HF ``save_pretrained`` with SGLang's architecture name (HF writes the class name) and the legacy RoPE
+        keys in ``config.json`` for engines on transformers 4.x."""
+        super().save_pretrained(save_directory, **kwargs)
+        if not kwargs.get("is_main_process", True):
+            return
+        path = Path(save_directory) / "config.json"
+        config = json.loads(path.read_text())
+        config.update(legacy_rope_fields(self.config.rope_parameters), architectures=[ARCHITECTURE])
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,390 @@
+"""EAGLE-3 training with training-time test (ALGORITHMS.md §6): the drafter is unrolled on its own outputs.
+
+Step 0 gives position ``t`` the fused target feature ``fc(f_t)`` and the embedding of ``x_{t+1}`` and trains it
+to predict ``x_{t+2}``. Step ``i`` gives position ``t`` the drafter's own pre-norm output of step ``i-1`` at
+``t`` and the embedding of ``x_{t+1+i}``, and trains it to predict ``x_{t+2+i}``: position ``t`` of step ``i``
+is the ``i``-th drafted token of a chain that started after ``x_{t+1}``, exactly what the drafter computes at
+inference when it drafts ``i`` tokens ahead of a committed prefix (with ground-truth tokens as its inputs).
+
+Attention (the training-time test): the query of step ``i`` at ``t`` sees the step-0 keys of positions
+``s <= t`` of its own packed sample - the committed prefix, whose keys come from true target features - and the
+keys of steps ``1..i`` at the same position ``t`` - its own chain of drafted ancestors - and nothing else.
+That is the key set a node at depth ``i`` of a draft tree sees at inference, where the drafted keys of other
+positions do not exist (the committed prefix is re-run on target features after every verification). Its
+RoPE position is ``position_ids[t] + i``, the position the drafted token has at inference. The unroll runs
+through the drafter's public ``forward`` with a KV cache that holds the keys of the earlier steps, so training
+and tree drafting share one code path.
+
+Loss: ``Σ_i decay^i · CE_i``, ``CE_i`` the mean over valid positions of ``-Σ_v p_T(v) log q(v)``, ``q`` the
+drafter's distribution over the draft vocabulary and ``p_T`` the target's top-k distribution at ``t+1+i``
+restricted to the draft vocabulary and renormalised there. A position is valid when its label is in the same
+sample, under the loss mask, and the target's top token is in the draft vocabulary (otherwise the restricted
+teacher says nothing about the token the target will actually choose). The draft vocabulary is the
+``draft_vocab_size`` most frequent loss-masked tokens of the training rows (``trainer.data.vocab``).
+
+On CPU with the shipped tiny target::
+
+    trainer fit --recipe eagle3_tiny
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch.utils.data import Dataset
+from transformers import PretrainedConfig
+
+from trainer.data.features import with_features
+from trainer.data.pack import packed_attention_mask
+from trainer.data.vocab import DraftVocab
+from trainer.drafters.eagle3 import Eagle3DraftModel, build_config
+from trainer.errors import UserError
+from trainer.export_util import save_hf_dir
+from trainer.losses import topk_coverage
+from trainer.optim import adamw_warmup_cosine
+from trainer.paths import project_path
+from trainer.target import Target, load_causal_lm
+
+
+@dataclass
+class TTTStep:
+    """One unrolled step over a batch of rows. Every tensor: Shape (B, T), indexed by the origin position ``t``."""
+
+    # The token whose embedding is fed: x_{t+1+i}
+    tokens: torch.Tensor
+    # RoPE positions: position_ids[t] + i
+    positions: torch.Tensor
+    # The token to predict: x_{t+2+i}
+    labels: torch.Tensor
+    # Where the target's distribution over that token sits: t+1+i
+    teacher_index: torch.Tensor
+    # bool: the label lies in the same sample as t and under the loss mask
+    label_mask: torch.Tensor
+
+
+def ttt_step(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor, step: int
+) -> TTTStep:
+    """Inputs and labels of unrolled step ``step`` (0-based) for packed rows. Shape: (B, T) each."""
+    t = input_ids.shape[1]
+    origin = torch.arange(t, device=input_ids.device)
+    # Indices past the row end are clamped to stay gatherable; label_mask drops those positions.
+    fed = (origin + 1 + step).clamp(max=t - 1).expand_as(input_ids)
+    label = (origin + 2 + step).clamp(max=t - 1).expand_as(input_ids)
+    label_mask = (
+        (origin + 2 + step < t)
+        & (doc_ids.gather(1, label) == doc_ids)
+        & (doc_ids > 0)
+        & loss_mask.gather(1, label).bool()
+    )
+    return TTTStep(
+        tokens=input_ids.gather(1, fed),
+        positions=position_ids + step,
+        labels=input_ids.gather(1, label),
+        teacher_index=fed,
+        label_mask=label_mask,
+    )
+
+
+def ttt_attention_mask(doc_ids: torch.Tensor, step: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Shape: doc_ids (B, T) → additive mask (B, 1, T, (step + 1)·T) over the keys of steps 0..step in order.
+
+    Step 0 keys: causal within the query's sample. Keys of steps 1..step: only the query's own origin position.
+    """
+    t = doc_ids.shape[1]
+    # Shape: (B, 1, T, T)
+    committed = packed_attention_mask(doc_ids, dtype=dtype)
+    own = torch.full((t, t), torch.finfo(dtype).min, dtype=dtype, device=doc_ids.device).fill_diagonal_(0)
+    return torch.cat([committed, *[own.expand_as(committed)] * step], dim=-1)
+
+
+def draft_teacher(
+    teacher_ids: torch.Tensor, teacher_lp: torch.Tensor, vocab: DraftVocab
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The teacher's top-k restricted to the draft vocabulary and renormalised there.
+
+    Shape: (..., k) target ids and log-probs → draft ids (0 where none), log-probs (``finfo.min`` where the
+    target id has no draft id), in-vocabulary mask, all (..., k).
+    """
+    in_vocab = vocab.t2d[teacher_ids]
+    draft_ids = torch.where(in_vocab, vocab.to_draft(teacher_ids), 0)
+    logp = teacher_lp.float().masked_fill(~in_vocab, torch.finfo(torch.float32).min)
+    return draft_ids, torch.log_softmax(logp, dim=-1), in_vocab
+
+
+def soft_cross_entropy_and_kl(
+    student_logits: torch.Tensor, draft_ids: torch.Tensor, teacher_logp: torch.Tensor, in_vocab: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``-Σ p log q`` and ``Σ p (log p - log q)`` over the restricted teacher support.
+
+    Shape: (..., Vd) draft logits, (..., k) from :func:`draft_teacher` → (...), (...)
+    """
+    q_log = torch.log_softmax(student_logits.float(), dim=-1).gather(-1, draft_ids)
+    p = teacher_logp.exp().masked_fill(~in_vocab, 0.0)
+    ce = -(p * q_log).sum(-1)
+    kl = torch.where(in_vocab, p * (teacher_logp - q_log), 0.0).sum(-1)
+    return ce, kl
+
+
+def loss_token_counts(dataset: Dataset, vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs under the loss mask in rows with ``input_ids`` / ``loss_mask``. Shape: (V,)"""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in range(len(dataset)):
+        row = dataset[i]
+        ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
+        counts += torch.bincount(ids[torch.as_tensor(row["loss_mask"]).bool()], minlength=vocab_size)
+    return counts
+
+
+def check_drafter_fits(drafter: PretrainedConfig, target: PretrainedConfig, target_name: str) -> None:
+    """An EAGLE-3 drafter made for another target fails here with what differs, not deep inside a forward."""
+    problems = []
+    if drafter.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {drafter.hidden_size} vs the target's {target.hidden_size}")
+    if drafter.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {drafter.vocab_size} vs the target's {target.vocab_size}")
+    aux = drafter.eagle_config["eagle_aux_hidden_state_layer_ids"]
+    if max(aux) > target.num_hidden_layers:
+        problems.append(f"hidden_states {aux} but the target has {target.num_hidden_layers} layers")
+    if problems:
+        raise UserError(f"the EAGLE-3 drafter does not fit the target '{target_name}': " + "; ".join(problems))
+
+
+class Eagle3Training(L.LightningModule):
+    """Trains an EAGLE-3 drafter against a frozen target with the training-time-test unroll.
+
+    Args:
+        target: HF causal LM (directory or hub id); its input embedding feeds the drafter.
+        draft_vocab_size: size of the drafter's output vocabulary (most frequent loss-masked training tokens).
+        ttt_steps: unrolled steps; step ``i`` trains the ``i``-th drafted token after a committed prefix.
+        step_decay: loss weight ``step_decay^i`` of step ``i``.
+        intermediate_size: the drafter's MLP width; default the target's.
+        init_lm_head: start ``lm_head`` from the target's LM-head rows of the draft vocabulary.
+        init_from: continue from this EAGLE-3 HF directory (its draft vocabulary is kept).
+        target_dtype: the target's compute dtype.
+        topk: teacher tokens per position (online features; offline takes the cache's).
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay on matrices.
+        warmup_steps: linear warm-up steps.
+        min_lr_ratio: cosine floor as a fraction of ``lr``.
+        export_dir: HF directory (SGLang ``LlamaForCausalLMEagle3`` layout) written at the end of fit; default
+            ``<run>/hf``.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        draft_vocab_size: int = 32000,
+        ttt_steps: int = 7,
+        step_decay: float = 0.8,
+        intermediate_size: int | None = None,
+        init_lm_head: bool = True,
+        init_from: str | None = None,
+        target_dtype: str = "float32",
+        topk: int = 32,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 100,
+        min_lr_ratio: float = 0.1,
+        export_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        if ttt_steps < 1:
+            raise UserError(f"model.ttt_steps must be at least 1, got {ttt_steps}")
+        self.save_hyperparameters()
+        self.target: Target | None = None
+        self.drafter: Eagle3DraftModel | None = None
+        self._step_sums: dict[str, torch.Tensor] = {}
+
+    # ---- model --------------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.drafter is not None:
+            return
+        hp = self.hparams
+        model = load_causal_lm(str(project_path(hp.target)), hp.target_dtype)
+        if hp.init_from:
+            path = project_path(hp.init_from)
+            if not (path / "config.json").is_file():
+                raise UserError(f"model.init_from: no EAGLE-3 checkpoint at {path}")
+            drafter = Eagle3DraftModel.from_pretrained(str(path), dtype=torch.float32)
+            check_drafter_fits(drafter.config, model.config, hp.target)
+        else:
+            overrides = {"intermediate_size": hp.intermediate_size} if hp.intermediate_size else {}
+            drafter = Eagle3DraftModel(build_config(model.config, hp.draft_vocab_size, **overrides))
+            drafter.set_draft_vocab(self._training_vocab(model.config.vocab_size))
+            if hp.init_lm_head:
+                with torch.no_grad():
+                    rows = drafter.to_target(torch.arange(hp.draft_vocab_size))
+                    drafter.lm_head.weight.copy_(model.get_output_embeddings().weight[rows].float())
+        self.drafter = drafter
+        self.target = Target(model, drafter.target_layer_ids)
+
+    def _training_vocab(self, vocab_size: int) -> DraftVocab:
+        """The draft vocabulary of the training rows the attached datamodule serves."""
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        if datamodule is None:
+            raise UserError(
+                "a new EAGLE-3 drafter takes its draft vocabulary from the training data: fit it with a datamodule, "
+                "or set model.init_from to a drafter that has one"
+            )
+        # configure_model runs after the datamodule's setup and before a checkpoint restores the data position,
+        # so building the loader here neither fails nor moves a resumed run's position.
+        counts = loss_token_counts(datamodule.train_dataloader().dataset, vocab_size)
+        return DraftVocab.from_counts(counts, self.hparams.draft_vocab_size)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """Target layer ids the drafter reads (HF ``hidden_states[l + 1]``)."""
+        return self.drafter.target_layer_ids
+
+    # ---- the unroll ---------------------------------------------------------------------------------------
+    def unroll(self, batch: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[TTTStep]]:
+        """Pre-norm drafter outputs (B, T, H) and the step description of every unrolled step."""
+        drafter = self.drafter
+        dtype = drafter.fc.weight.dtype
+        hidden = drafter.fuse(batch["features"].to(dtype))
+        cache = drafter.make_cache()
+        outputs, steps = [], []
+        for i in range(self.hparams.ttt_steps):
+            step = ttt_step(batch["input_ids"], batch["loss_mask"], batch["position_ids"], batch["doc_ids"], i)
+            embeds = self.target.embed_tokens(step.tokens).to(dtype)
+            mask = ttt_attention_mask(batch["doc_ids"], i, dtype)
+            hidden = drafter(hidden, embeds, step.positions, mask, past_key_values=cache, use_cache=True)
+            outputs.append(hidden)
+            steps.append(step)
+        return outputs, steps
+
+    def _forward(self, batch: dict[str, torch.Tensor]):
+        """The weighted loss and, per step: draft logits, step, teacher top-k, restricted teacher, loss mask."""
+        batch = with_features(batch, self.target, self.hparams.topk)
+        vocab = self.drafter.draft_vocab
+        outputs, steps = self.unroll(batch)
+        loss = torch.zeros((), device=self.device)
+        per_step = []
+        for i, (hidden, step) in enumerate(zip(outputs, steps, strict=True)):
+            logits = self.drafter.logits(hidden)
+            index = step.teacher_index[..., None].expand(-1, -1, batch["teacher_topk_ids"].shape[-1])
+            t_ids = batch["teacher_topk_ids"].gather(1, index)
+            t_lp = batch["teacher_topk_logprobs"].gather(1, index)
+            d_ids, d_logp, in_vocab = draft_teacher(t_ids, t_lp, vocab)
+            mask = step.label_mask & in_vocab[..., 0]
+            ce, kl = soft_cross_entropy_and_kl(logits, d_ids, d_logp, in_vocab)
+            m = mask.float()
+            loss = loss + self.hparams.step_decay**i * (ce * m).sum() / m.sum().clamp(min=1)
+            per_step.append((logits, step, t_ids, kl, mask))
+        return loss, per_step
+
+    # ---- steps --------------------------------------------------------------------------------------------
+    def training_step(self, batch, batch_idx):
+        loss, per_step = self._forward(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        with torch.no_grad():
+            logits, step, t_ids, _, _ = per_step[0]
+            hit = (self.drafter.to_target(logits.argmax(-1)) == t_ids[..., 0])[step.label_mask]
+            self.log("train/top1_s0", hit.float().mean() if hit.numel() else torch.zeros(()), prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss, per_step = self._forward(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        vocab = self.drafter.draft_vocab
+        sums: dict[str, list[torch.Tensor]] = {"top1": [], "top5": [], "count": [], "kl": [], "kl_count": []}
+        for logits, step, t_ids, kl, mask in per_step:
+            valid = step.label_mask.float()
+            top = t_ids[..., 0]
+            # The target's top token as a draft id, or -1 (never predicted) when it has none.
+            top_draft = torch.where(vocab.t2d[top], vocab.to_draft(top), -1)
+            sums["top1"].append(((self.drafter.to_target(logits.argmax(-1)) == top).float() * valid).sum())
+            sums["top5"].append((topk_coverage(logits, top_draft, 5) * valid).sum())
+            sums["count"].append(valid.sum())
+            sums["kl"].append((kl * mask.float()).sum())
+            sums["kl_count"].append(mask.float().sum())
+        for key, values in sums.items():
+            # Shape: (S,) sums over the batch, one entry per unrolled step
+            total = torch.stack(values).detach().cpu()
+            self._step_sums[key] = self._step_sums.get(key, 0) + total
+
+    # ---- per-step metrics ---------------------------------------------------------------------------------
+    def on_validation_epoch_start(self) -> None:
+        self._step_sums = {}
+
+    def step_table(self) -> dict[str, list[float]]:
+        """Per-step means ``{top1, top5, kl: [value at step 0..S-1]}`` plus the position counts."""
+        if not self._step_sums:
+            return {}
+        sums = self._step_sums
+        return {
+            "top1": (sums["top1"] / sums["count"].clamp(min=1)).tolist(),
+            "top5": (sums["top5"] / sums["count"].clamp(min=1)).tolist(),
+            "kl": (sums["kl"] / sums["kl_count"].clamp(min=1)).tolist(),
+            "count": sums["count"].tolist(),
+        }
+
+    def on_validation_epoch_end(self) -> None:
+        table = self.step_table()
+        for stat in ("top1", "top5", "kl"):
+            for i, value in enumerate(table.get(stat, [])):
+                self.log(f"val_step/{stat}/s{i}", value, sync_dist=True)
+        if self.trainer.state.fn == "validate" and self.trainer.is_global_zero:
+            self.print_step_table()
+
+    def print_step_table(self) -> None:
+        table = self.step_table()
+        if not table:
+            return
+        t = Table(title="per-step agreement with the target (validation, teacher-forced inputs)")
+        for column in ("step", "predicts", "top1", "top5", "kl", "positions"):
+            t.add_column(column)
+        for i, count in enumerate(table["count"]):
+            t.add_row(
+                str(i),
+                f"x(t+{i + 2})",  # round brackets: rich reads square ones as markup
+                f"{table['top1'][i]:.3f}",
+                f"{table['top5'][i]:.3f}",
+                f"{table['kl'][i]:.3f}",
+                str(int(count)),
+            )
+        Console().print(t)
+
+    # ---- optimisation, checkpoints, export ----------------------------------------------------------------
+    def configure_optimizers(self):
+        hp = self.hparams
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        return adamw_warmup_cosine(
+            params, hp.lr, hp.weight_decay, hp.warmup_steps, self.trainer.estimated_stepping_batches, hp.min_lr_ratio
+        )
+
+    def state_dict(self, *args, **kwargs):
+        # The frozen target is rebuilt from its path; checkpoints hold the drafter (with its vocabulary) only.
+        return {k: v for k, v in super().state_dict(*args, **kwargs).items() if not k.startswith("target.")}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        missing, unexpected = super().load_state_dict(state_dict, strict=False, assign=assign)
+        missing = [k for k in missing if not k.startswith("target.")]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"checkpoint does not match the drafter: missing {missing}, unexpected {unexpected}")
+        return missing, unexpected
+
+    def on_fit_start(self) -> None:
+        cache = getattr(self.trainer.datamodule, "feature_cache", None)
+        if cache is not None and cache.manifest["config"]["layers"] != self.layer_ids:
+            raise UserError(
+                f"the feature cache {cache.root} holds target layers {cache.manifest['config']['layers']}, "
+                f"the drafter reads {self.layer_ids}; rebuild it with trainer data cache --layers '{self.layer_ids}'"
+            )
+
+    def export(self) -> Path:
+        """Write the drafter as an HF directory (``export_dir`` or ``<run>/hf``)."""
+        out = Path(self.hparams.export_dir or Path(self.trainer.log_dir or ".") / "hf")
+        save_hf_dir(out, self.drafter.save_pretrained)
+        return out
+
+    def on_fit_end(self) -> None:
+        if self.trainer.is_global_zero:
+            self.print_step_table()
+            print(f"EAGLE-3 drafter -> {self.export()}")
