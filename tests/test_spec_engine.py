@@ -11,6 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3
 from tests.conftest import ROOT, TINY_TARGET
 from tests.test_spec_verify import chi2_pvalue
 from trainer.drafters.dflash import DFlashDraftModel, build_config
+from trainer.drafters.eagle3 import Eagle3DraftModel
+from trainer.drafters.eagle3 import build_config as eagle3_config
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.spec.drafting import load_drafter
 from trainer.spec.engine import BUILDERS, generate, make_session
@@ -53,6 +55,25 @@ def test_greedy_is_lossless_for_every_builder(shipped, tree, budget):
     assert (min(taus) == 1.0) if tree == "none" else (sum(taus) / len(taus) > 1.2)
 
 
+def test_eagle_greedy_is_lossless(shipped):
+    """A random EAGLE-3 drafter: its trees are rejected mostly, and every output must still be exact."""
+    target, _, _, prompts = shipped
+    torch.manual_seed(0)
+    drafter = Eagle3DraftModel(eagle3_config(target.config, draft_vocab_size=512)).eval()
+    for budget in (16, 60):
+        for prompt in prompts[:4]:
+            reference = target.generate(prompt[None], max_new_tokens=32, min_new_tokens=32, do_sample=False)
+            out = generate(target, make_session("eagle", target, drafter), BUILDERS["eagle"], prompt, 32, budget)
+            assert out.tokens == reference[0, prompt.numel() :].tolist()
+            remaining = 31
+            for step in out.steps:
+                # Depth is capped by the tokens still to produce; one level holds only EAGLE's top 10.
+                assert step.tree_size == (min(budget, 10) if remaining == 1 else budget)
+                remaining -= step.committed
+            # One forward enters the context, then one per depth up to EAGLE's 7.
+            assert out.steps[0].forwards == 7
+
+
 def test_chain_matches_dflash_generate(shipped, monkeypatch):
     dflash_model = pytest.importorskip("dflash.model")
     # The reference times with CUDA synchronisation; the wall clock is enough on CPU.
@@ -90,7 +111,8 @@ def small_vocab():
     dflash = DFlashDraftModel(build_config(config, 1, 4, mask_token_id=11)).eval()
     treeflash = TreeFlashDraftModel.from_dflash(dflash).eval()
     torch.nn.init.normal_(treeflash.ar_approximation.d.weight, std=0.5)
-    return target, dflash, treeflash
+    eagle = Eagle3DraftModel(eagle3_config(config, draft_vocab_size=12)).eval()
+    return target, {"chain": dflash, "ddtree": dflash, "recycling": None, "treeflash": treeflash, "eagle": eagle}
 
 
 def exact_marginals(target, prompt: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,11 +136,12 @@ def exact_marginals(target, prompt: torch.Tensor, sampling: Sampling) -> tuple[t
         ("ddtree", Sampling(temperature=0.7, top_k=6)),
         ("treeflash", Sampling(temperature=1.0, top_p=0.9)),
         ("recycling", Sampling(temperature=1.0)),
+        ("eagle", Sampling(temperature=1.0)),
     ],
 )
 def test_sampling_follows_the_target_distribution(small_vocab, tree, sampling):
-    target, dflash, treeflash = small_vocab
-    drafter = treeflash if tree == "treeflash" else dflash
+    target, drafters = small_vocab
+    drafter = drafters[tree]
     prompt = torch.tensor([1, 5, 2, 7])
     p2, p3 = exact_marginals(target, prompt, sampling)
     counts2 = torch.zeros(12, dtype=torch.long)

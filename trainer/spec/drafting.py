@@ -7,6 +7,7 @@ verification) and a tree builder asks it for drafts. A session says which target
 - :class:`DraftSession` itself: no drafter, plain autoregressive decoding (the baseline runs the same loop).
 - :class:`BlockDraftSession`: DFlash; one block forward gives per-depth marginals (chain, DDTree).
 - :class:`TreeFlashSession`: DFlash marginals plus TreeFlash's transition tables (ALGORITHMS.md §4).
+- :class:`Eagle3Session`: EAGLE-3 with EAGLE-2's dynamic tree (ALGORITHMS.md §6).
 - :class:`RecyclingSession`: no drafter; a Token-Recycling adjacency matrix learnt from the target's
   logits at every verified node and prompt position (ALGORITHMS.md §8).
 
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from trainer.drafters.dflash import DFlashDraftModel
+from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
 from trainer.spec.tree import Transitions, Tree
@@ -167,17 +169,91 @@ class RecyclingSession(DraftSession):
         self._learn(tree.tokens.to(logits.device), logits)
 
 
-def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel | TreeFlashDraftModel:
-    """A DFlash or TreeFlash drafter from an HF directory, by its ``architectures``."""
+def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A DFlash, TreeFlash or EAGLE-3 drafter from an HF directory, by its ``architectures``."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise UserError(f"no drafter at {path}: {config_file} does not exist")
     architectures = json.loads(config_file.read_text()).get("architectures") or []
-    classes = {"DFlashDraftModel": DFlashDraftModel, "TreeFlashDraftModel": TreeFlashDraftModel}
+    classes = {
+        "DFlashDraftModel": DFlashDraftModel,
+        "TreeFlashDraftModel": TreeFlashDraftModel,
+        "LlamaForCausalLMEagle3": Eagle3DraftModel,
+    }
     for name in architectures:
         if name in classes:
             return classes[name].from_pretrained(path, dtype=dtype).eval()
     raise UserError(
         f"{config_file}: architectures {architectures} name no drafter this engine runs ({sorted(classes)})"
     )
+
+
+class Eagle3Session(DraftSession):
+    """EAGLE-3 with EAGLE-2's dynamic tree: context positions are entered into the drafter's KV cache once as
+    ``(fuse(f_t), E[x_{t+1}])``; each step enters the pending ones (the last pairs with the root) and then
+    expands a beam of frontier nodes depth by depth, one drafter forward per depth."""
+
+    def __init__(self, drafter: Eagle3DraftModel, target: PreTrainedModel) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.embed = target.get_input_embeddings()
+        self.layer_ids = tuple(drafter.target_layer_ids)
+        self.cache = drafter.make_cache()
+        self.tokens: list[int] = []
+        # Target features of committed positions not entered yet. Shape: (1, C, 3H)
+        self.pending: torch.Tensor | None = None
+        self.entered = 0
+
+    def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
+        self.tokens = prompt.tolist()
+        self.pending = features[None]
+
+    def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:
+        self.tokens += tokens
+        new = features[None]
+        self.pending = new if self.pending is None else torch.cat([self.pending, new], dim=1)
+
+    def _forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask) -> torch.Tensor:
+        self.forwards += 1
+        dtype = self.drafter.fc.weight.dtype
+        return self.drafter(hidden.to(dtype), self.embed(tokens).to(dtype), positions, mask, self.cache, use_cache=True)
+
+    def enter_context(self, root: int) -> torch.Tensor:
+        """Enter the pending context positions; the last one's pre-norm output (it drafts depth 1). Shape: (H,)"""
+        device = self.drafter.fc.weight.device
+        start, end = self.entered, len(self.tokens)
+        following = torch.tensor([*self.tokens[start + 1 :], root], device=device)[None]
+        positions = torch.arange(start, end, device=device)[None]
+        out = self._forward(
+            self.drafter.fuse(self.pending.to(self.drafter.fc.weight.dtype)), following, positions, None
+        )
+        self.entered, self.pending = end, None
+        return out[0, -1]
+
+    def expand(self, hidden: torch.Tensor, tokens: torch.Tensor, depth: int, visible: torch.Tensor) -> torch.Tensor:
+        """Enter frontier nodes of ``depth`` (Shape: hidden (n, H) of their parents' outputs, tokens (n,)),
+        each seeing the context and the tree entries marked in ``visible`` (n, entries so far); their outputs."""
+        n = tokens.numel()
+        device, dtype = hidden.device, self.drafter.fc.weight.dtype
+        allowed = torch.cat(
+            [
+                torch.ones(n, self.entered, dtype=torch.bool, device=device),
+                visible,
+                torch.eye(n, dtype=torch.bool, device=device),
+            ],
+            dim=1,
+        )
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        positions = torch.full((1, n), self.entered + depth - 1, device=device)
+        return self._forward(hidden[None], tokens[None], positions, mask[None, None])[0]
+
+    def drop_tree(self) -> None:
+        """Forget the tree entries, keep the context."""
+        extra = self.cache.get_seq_length() - self.entered
+        if extra:
+            self.cache.crop(-extra)
+
+    def logprobs(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary log-probs. Shape: (..., H) → (..., Vd)"""
+        return self.drafter.logits(prenorm).float().log_softmax(-1)

@@ -27,10 +27,26 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
-from trainer.spec.drafting import BlockDraftSession, DraftSession, RecyclingSession, TreeFlashSession
-from trainer.spec.tree import Tree, chain, ddtree, recycling_template, retrieval, root_only, treeflash
+from trainer.spec.drafting import (
+    BlockDraftSession,
+    DraftSession,
+    Eagle3Session,
+    RecyclingSession,
+    TreeFlashSession,
+)
+from trainer.spec.tree import (
+    Tree,
+    best_subtree,
+    chain,
+    ddtree,
+    recycling_template,
+    retrieval,
+    root_only,
+    treeflash,
+)
 from trainer.spec.verify import GREEDY, Sampling, accept, compact_cache, tree_attention_mask
 
 
@@ -97,6 +113,59 @@ def _recycling(session: RecyclingSession, root: int, budget: int, max_depth: int
         return retrieval(session.adjacency, root, template)
 
 
+# EAGLE-2's dynamic tree defaults (ALGORITHMS.md §6): beam width and top-k per node, and drafting depth.
+EAGLE_TOP_K = 10
+EAGLE_DEPTH = 7
+
+
+def _eagle(session: Eagle3Session, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
+    """EAGLE-2: expand the ``EAGLE_TOP_K`` best frontier nodes by cumulative log-prob, one drafter forward per
+    depth, recording every node's top-k children; the tree is the ``budget`` best recorded candidates."""
+    k = EAGLE_TOP_K
+    with clock("draft"):
+        context_out = session.enter_context(root)
+        logprobs = session.logprobs(context_out)
+    with clock("tree"):
+        top = logprobs.topk(min(k, logprobs.numel()))
+        tokens = session.drafter.to_target(top.indices).tolist()
+        parents = [-1] * len(tokens)
+        scores = top.values.tolist()
+        frontier = list(range(len(tokens)))
+        outputs: dict[int, torch.Tensor] = {}
+        slots: dict[int, int] = {}
+    for depth in range(1, min(EAGLE_DEPTH, max_depth)):
+        with clock("tree"):
+            # Frontier nodes sit at `depth`; entering them drafts depth + 1.
+            visible = torch.zeros(len(frontier), len(slots), dtype=torch.bool, device=context_out.device)
+            for row, node in enumerate(frontier):
+                ancestor = parents[node]
+                while ancestor >= 0:
+                    visible[row, slots[ancestor]] = True
+                    ancestor = parents[ancestor]
+            hidden = torch.stack([outputs[parents[n]] if parents[n] >= 0 else context_out for n in frontier])
+            node_tokens = torch.tensor([tokens[n] for n in frontier], device=context_out.device)
+        with clock("draft"):
+            out = session.expand(hidden, node_tokens, depth, visible)
+            logprobs = session.logprobs(out)
+        with clock("tree"):
+            for row, node in enumerate(frontier):
+                slots[node] = len(slots)
+                outputs[node] = out[row]
+            top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+            # Shape: (n, k) cumulative scores of every child of every frontier node.
+            child_scores = top.values + torch.tensor([scores[n] for n in frontier], device=top.values.device)[:, None]
+            first = len(tokens)
+            tokens += session.drafter.to_target(top.indices).flatten().tolist()
+            parents += [n for n in frontier for _ in range(top.indices.shape[1])]
+            scores += child_scores.flatten().tolist()
+            best = child_scores.flatten().topk(min(k, child_scores.numel())).indices
+            frontier = sorted(first + int(i) for i in best)
+    with clock("draft"):
+        session.drop_tree()
+    with clock("tree"):
+        return best_subtree(tokens, parents, scores, root, budget)
+
+
 def _none(session: DraftSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
     return root_only(root)
 
@@ -108,6 +177,7 @@ BUILDERS: dict[str, TreeBuilder] = {
         TreeBuilder("ddtree", BlockDraftSession, _ddtree),
         TreeBuilder("treeflash", TreeFlashSession, _treeflash),
         TreeBuilder("recycling", RecyclingSession, _recycling),
+        TreeBuilder("eagle", Eagle3Session, _eagle),
         TreeBuilder("none", DraftSession, _none),
     )
 }
@@ -124,6 +194,11 @@ def make_session(tree: str, target: PreTrainedModel, drafter: torch.nn.Module | 
         return DraftSession()
     if drafter is None:
         raise UserError(f"tree builder {tree!r} needs a drafter (--drafter)")
+    if isinstance(drafter, Eagle3DraftModel) != (need is Eagle3Session):
+        kind = "an EAGLE-3" if need is Eagle3Session else "a DFlash or TreeFlash"
+        raise UserError(f"tree builder {tree!r} needs {kind} drafter; got {type(drafter).__name__}")
+    if need is Eagle3Session:
+        return Eagle3Session(drafter, target)
     if isinstance(drafter, TreeFlashDraftModel):
         return TreeFlashSession(drafter, target)
     if need is TreeFlashSession:

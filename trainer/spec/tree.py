@@ -261,3 +261,18 @@ def retrieval(adjacency: torch.Tensor, root: int, template: Sequence[tuple[int, 
         tokens.append(token)
         parents.append(parent)
     return Tree.from_lists(tokens, parents)
+
+
+def best_subtree(tokens: list[int], parents: list[int], scores: list[float], root: int, budget: int) -> Tree:
+    """The ``budget`` best-scoring recorded candidates as a tree (EAGLE-2's final selection).
+
+    Candidate ``i`` carries ``tokens[i]``, its parent candidate ``parents[i]`` (-1: the root, and parents are
+    recorded before their children) and ``scores[i]``, its path's cumulative log-prob, which never exceeds
+    its parent's; so the top candidates, ties broken by recording order, always include their ancestors.
+    """
+    chosen = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:budget]
+    chosen.sort()
+    index = {c: n + 1 for n, c in enumerate(chosen)}
+    if any(parents[c] >= 0 and parents[c] not in index for c in chosen):
+        raise ValueError("a candidate scores above its parent: scores must be cumulative log-probs")
+    return Tree.from_lists([root, *(tokens[c] for c in chosen)], [-1, *(index.get(parents[c], 0) for c in chosen)])
