@@ -8,6 +8,7 @@ verification) and a tree builder asks it for drafts. A session says which target
 - :class:`BlockDraftSession`: DFlash; one block forward gives per-depth marginals (chain, DDTree).
 - :class:`TreeFlashSession`: DFlash marginals plus TreeFlash's transition tables (ALGORITHMS.md §4).
 - :class:`Eagle3Session`: EAGLE-3 with EAGLE-2's dynamic tree (ALGORITHMS.md §6).
+- :class:`SpecBlockSession`: SpecBlock blocks launched from the root and from pending leaves (§5).
 - :class:`RecyclingSession`: no drafter; a Token-Recycling adjacency matrix learnt from the target's
   logits at every verified node and prompt position (ALGORITHMS.md §8).
 
@@ -27,6 +28,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.eagle3 import Eagle3DraftModel
+from trainer.drafters.specblock import SpecBlockDraftModel, launch_mask
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
 from trainer.spec.tree import Transitions, Tree
@@ -170,7 +172,7 @@ class RecyclingSession(DraftSession):
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A DFlash, TreeFlash or EAGLE-3 drafter from an HF directory, by its ``architectures``."""
+    """A DFlash, TreeFlash, EAGLE-3 or SpecBlock drafter from an HF directory, by its ``architectures``."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -180,6 +182,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTra
         "DFlashDraftModel": DFlashDraftModel,
         "TreeFlashDraftModel": TreeFlashDraftModel,
         "LlamaForCausalLMEagle3": Eagle3DraftModel,
+        "SpecBlockDraftModel": SpecBlockDraftModel,
     }
     for name in architectures:
         if name in classes:
@@ -257,3 +260,78 @@ class Eagle3Session(DraftSession):
     def logprobs(self, prenorm: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary log-probs. Shape: (..., H) → (..., Vd)"""
         return self.drafter.logits(prenorm).float().log_softmax(-1)
+
+
+class SpecBlockSession(DraftSession):
+    """SpecBlock: committed positions are entered as context blocks (``K`` slots each, conditioned on their
+    target features); a step launches the root block from the last context position's slot 0 (which predicts
+    the root) and then further blocks from pending leaves, several per drafter forward.
+
+    Drafter keys live in one cache: context slot ``(i, k)`` at ``i*K + k``, then the step's blocks in launch
+    order; :meth:`drop_tree` removes the blocks again."""
+
+    def __init__(self, drafter: SpecBlockDraftModel, target: PreTrainedModel) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.embed = target.get_input_embeddings()
+        self.head = target.get_output_embeddings()
+        self.layer_ids = tuple(drafter.target_layer_ids)
+        self.block_size = drafter.block_size
+        self.cache = DynamicCache(config=drafter.config)
+        self.tokens: list[int] = []
+        # Target features of committed positions not entered yet. Shape: (1, C, n*H)
+        self.pending: torch.Tensor | None = None
+        self.entered = 0
+
+    def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
+        self.tokens = prompt.tolist()
+        self.pending = features[None]
+
+    def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:
+        self.tokens += tokens
+        new = features[None]
+        self.pending = new if self.pending is None else torch.cat([self.pending, new], dim=1)
+
+    @property
+    def device(self) -> torch.device:
+        return self.drafter.fuse.weight.device
+
+    def enter_context(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Enter the pending context positions. Returns the root block's condition (the last position's slot-0
+        pre-norm state, which predicted the root; Shape: (H,)) and the keys it may see (Shape: (P,) bool)."""
+        dtype = self.drafter.fuse.weight.dtype
+        start, end = self.entered, len(self.tokens)
+        tokens = torch.tensor(self.tokens[start:end], device=self.device)[None]
+        positions = torch.arange(start, end, device=self.device)[None]
+        condition = self.drafter.project_features(self.pending.to(dtype))
+        out = self.drafter(condition, self.embed(tokens).to(dtype), positions, past_key_values=self.cache)
+        self.forwards += 1
+        self.entered, self.pending = end, None
+        k = self.block_size
+        visible = torch.zeros(self.cache.get_seq_length(), dtype=torch.bool, device=self.device)
+        # Every slot of the earlier positions, and slot 0 of the last one.
+        visible[: (end - 1) * k + 1] = True
+        return out[0, -1, 0], visible
+
+    def launch(
+        self, conditions: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Launch N blocks in one forward. Shapes: conditions (N, H) pre-norm states of the launching slots,
+        tokens (N,), positions (N,) of those tokens, visible (N, P) cached keys each block sees.
+        Returns pre-norm states (N, K, H), log-probs (N, K, V) and rank classes (N, K) of every slot."""
+        dtype = self.drafter.fuse.weight.dtype
+        mask = launch_mask(visible[None], self.block_size)
+        hidden = self.drafter(
+            conditions[None].to(dtype), self.embed(tokens)[None].to(dtype), positions[None], mask, self.cache
+        )[0]
+        self.forwards += 1
+        normed = self.drafter.norm(hidden)
+        logprobs = self.head(normed).float().log_softmax(-1)
+        classes = self.drafter.rank_logits(normed, logprobs).argmax(-1)
+        return hidden, logprobs, classes
+
+    def drop_tree(self) -> None:
+        """Forget the step's blocks, keep the context."""
+        extra = self.cache.get_seq_length() - self.entered * self.block_size
+        if extra:
+            self.cache.crop(-extra)

@@ -19,6 +19,7 @@ walks it; the KV cache is compacted to the accepted path; the session is told wh
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from trainer.drafters.eagle3 import Eagle3DraftModel
+from trainer.drafters.specblock import SpecBlockDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
 from trainer.spec.drafting import (
@@ -35,6 +37,7 @@ from trainer.spec.drafting import (
     DraftSession,
     Eagle3Session,
     RecyclingSession,
+    SpecBlockSession,
     TreeFlashSession,
 )
 from trainer.spec.tree import (
@@ -166,6 +169,92 @@ def _eagle(session: Eagle3Session, root: int, budget: int, max_depth: int, clock
         return best_subtree(tokens, parents, scores, root, budget)
 
 
+# SpecBlock growth (ALGORITHMS.md §5): children added at a slot per rank class (class 3 stops the branch), block
+# rounds per step (the root block's included) and blocks launched per round.
+SPECBLOCK_BRANCH = (1, 4, 10, 0)
+SPECBLOCK_ROUNDS = 3
+SPECBLOCK_BLOCKS_PER_ROUND = 8
+
+
+@dataclass
+class _Launch:
+    """Where a pending leaf's block starts: the drafted slot's state, the keys that slot saw, its position."""
+
+    node: int
+    condition: torch.Tensor
+    visible: torch.Tensor
+    position: int
+
+
+def _specblock(session: SpecBlockSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
+    """Grow blocks from the root and from pending leaves, walking each block's slots by rank class; prune to
+    the ``budget`` best nodes by cumulative log-prob. A round launches the best pending leaves that could still
+    enter the pruned tree (a leaf's descendants never score above it)."""
+    k_slots = session.block_size
+    with clock("draft"):
+        condition, visible = session.enter_context()
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    depths: list[int] = []
+    pending = [_Launch(-1, condition, visible, session.entered)]
+    for _ in range(SPECBLOCK_ROUNDS):
+        with clock("tree"):
+            cutoff = sorted(scores, reverse=True)[budget - 1] if len(scores) >= budget else -math.inf
+            score_of = lambda launch: scores[launch.node] if launch.node >= 0 else 0.0  # noqa: E731
+            depth_of = lambda launch: depths[launch.node] if launch.node >= 0 else 0  # noqa: E731
+            ready = [p for p in pending if score_of(p) > cutoff and depth_of(p) < max_depth]
+            ready.sort(key=score_of, reverse=True)
+            batch, pending = ready[:SPECBLOCK_BLOCKS_PER_ROUND], ready[SPECBLOCK_BLOCKS_PER_ROUND:]
+            if not batch:
+                break
+            cached = session.cache.get_seq_length()
+            visible = torch.zeros(len(batch), cached, dtype=torch.bool, device=session.device)
+            for row, launch in enumerate(batch):
+                visible[row, : launch.visible.numel()] = launch.visible
+            root_tokens = [tokens[p.node] if p.node >= 0 else root for p in batch]
+        with clock("draft"):
+            hidden, logprobs, classes = session.launch(
+                torch.stack([p.condition for p in batch]),
+                torch.tensor(root_tokens, device=session.device),
+                torch.tensor([p.position for p in batch], device=session.device),
+                visible,
+            )
+        with clock("tree"):
+            classes = classes.tolist()
+            for row, launch in enumerate(batch):
+                node = launch.node
+                offset = cached + row * k_slots
+                for slot in range(k_slots):
+                    width = SPECBLOCK_BRANCH[classes[row][slot]]
+                    depth = (depths[node] if node >= 0 else 0) + 1
+                    if width == 0 or depth > max_depth:
+                        break
+                    top = logprobs[row, slot].topk(width)
+                    # The slot's state and the keys a block launched from it sees: the launching block's view
+                    # plus this block's slots up to this one.
+                    seen = torch.zeros(offset + k_slots, dtype=torch.bool, device=session.device)
+                    seen[: launch.visible.numel()] = launch.visible
+                    seen[offset : offset + slot + 1] = True
+                    children = []
+                    for token, lp in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+                        children.append(len(tokens))
+                        tokens.append(token)
+                        parents.append(node)
+                        scores.append((scores[node] if node >= 0 else 0.0) + lp)
+                        depths.append(depth)
+                    position = launch.position + 1 + slot
+                    # Alternatives wait for a block of their own; the top-1 child continues this block's walk.
+                    pending += [_Launch(c, hidden[row, slot], seen, position) for c in children[1:]]
+                    node = children[0]
+                    if slot == k_slots - 1:
+                        pending.append(_Launch(node, hidden[row, slot], seen, position))
+    with clock("draft"):
+        session.drop_tree()
+    with clock("tree"):
+        return best_subtree(tokens, parents, scores, root, budget)
+
+
 def _none(session: DraftSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
     return root_only(root)
 
@@ -178,6 +267,7 @@ BUILDERS: dict[str, TreeBuilder] = {
         TreeBuilder("treeflash", TreeFlashSession, _treeflash),
         TreeBuilder("recycling", RecyclingSession, _recycling),
         TreeBuilder("eagle", Eagle3Session, _eagle),
+        TreeBuilder("specblock", SpecBlockSession, _specblock),
         TreeBuilder("none", DraftSession, _none),
     )
 }
@@ -194,11 +284,13 @@ def make_session(tree: str, target: PreTrainedModel, drafter: torch.nn.Module | 
         return DraftSession()
     if drafter is None:
         raise UserError(f"tree builder {tree!r} needs a drafter (--drafter)")
-    if isinstance(drafter, Eagle3DraftModel) != (need is Eagle3Session):
-        kind = "an EAGLE-3" if need is Eagle3Session else "a DFlash or TreeFlash"
-        raise UserError(f"tree builder {tree!r} needs {kind} drafter; got {type(drafter).__name__}")
-    if need is Eagle3Session:
-        return Eagle3Session(drafter, target)
+    # Each drafter family serves its own builders; DFlash and TreeFlash also serve chain and DDTree.
+    own = {Eagle3DraftModel: Eagle3Session, SpecBlockDraftModel: SpecBlockSession}
+    family = next((session for cls, session in own.items() if isinstance(drafter, cls)), None)
+    if family is not None or need in own.values():
+        if family is not need:
+            raise UserError(f"tree builder {tree!r} cannot draft with a {type(drafter).__name__}")
+        return family(drafter, target)
     if isinstance(drafter, TreeFlashDraftModel):
         return TreeFlashSession(drafter, target)
     if need is TreeFlashSession:

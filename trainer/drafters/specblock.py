@@ -1,0 +1,446 @@
+"""SpecBlock block-iterative drafter (ALGORITHMS.md §5): one forward drafts a block of K dependent slots.
+
+A block starts from a token ``x_s`` at position ``s`` and a condition vector. For a context position the
+condition is the projected target feature ``P f_s`` of the three EAGLE-3 layers (HF ``hidden_states`` indices
+``2, L//2, L-3``, i.e. this project's layer ids ``[1, L//2 - 1, L - 4]``, since ``hidden_states[l + 1]`` is the
+output of decoder layer ``l``). Slot ``k`` of the block gets the input::
+
+    fuse(concat[condition_norm(condition), token_norm(E[x_s]), query_norm(slot_queries[k])])   fuse: 3H -> H
+
+sits at RoPE position ``s + 1 + k`` and predicts ``x_{s+1+k}``. Attention: slot ``(i, k)`` of context position
+``i`` sees every slot of the positions ``< i`` and the slots ``<= k`` of its own position. Before every decoder
+layer but the first, a layer-wise shift hands each slot the previous slot's state of the same block,
+``h <- shift(concat[h, h[k-1]])`` (slot 0 takes its own state), so slot ``k`` depends on slots ``< k`` and never on
+later ones. The final ``norm`` output goes through the target's frozen LM head: the drafter owns no embedding
+and no LM head.
+
+Cross-block: a new block may start from any slot ``j`` of an earlier block. Its condition is that slot's pre-norm
+hidden state (no ``condition_proj``), its token the token drafted there, its position that token's position;
+it attends to the keys its launching slot saw plus that block's slots ``<= j`` (its ancestors).
+
+A rank head reads ``[norm(h) (detached), top-10 log-probs, gaps top1-top2/top1-top3/top1-top5, top-1 prob,
+entropy]`` and predicts the class of the target token's rank in the draft distribution: ``1 / 2-4 / 5-10 / >10``
+(``rank_class_bounds`` ``[1, 4, 10]``).
+
+Inference with a ``transformers`` ``DynamicCache`` (keys appended in feed order: slot ``k`` of the ``n``-th block of a
+call that starts with ``P`` cached keys lands at cache index ``P + n*K + k``), on CPU with a config-built target::
+
+    import torch
+    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+    from trainer.drafters.specblock import SpecBlockDraftModel, build_config, launch_mask
+
+    target = Qwen3ForCausalLM(Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=8)).eval()
+    drafter = SpecBlockDraftModel(build_config(target.config)).eval()        # K = 4, layers [1, 3, 4]
+    ids = torch.randint(0, 97, (1, 10))                                       # x_0..x_9; x_9 is the root
+    hidden = target(ids, output_hidden_states=True).hidden_states
+    feats = torch.cat([hidden[i + 1] for i in drafter.target_layer_ids], dim=-1)[:, :9]
+    embed = target.get_input_embeddings()
+    cache = DynamicCache(config=drafter.config)
+    ctx = drafter(drafter.project_features(feats), embed(ids[:, :9]), torch.arange(9)[None],
+                  past_key_values=cache)                                      # (1, 9, 4, H); 36 keys cached
+    # Root block: from slot 0 of the last context position (it predicts the root), with the root token.
+    visible = torch.zeros(1, 1, 36, dtype=torch.bool); visible[..., : 8 * 4 + 1] = True
+    block = drafter(ctx[:, 8:9, 0], embed(ids[:, 9:10]), torch.tensor([[9]]),
+                    attention_mask=launch_mask(visible, 4), past_key_values=cache)   # slots: depths 1..4
+    logprobs = torch.log_softmax(target.lm_head(drafter.norm(block)).float(), dim=-1)
+    rank_class = drafter.rank_logits(drafter.norm(block), logprobs).argmax(-1)
+    cache.crop(-4)                                                            # drop the draft keys again
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import PretrainedConfig, Qwen3Config
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3PreTrainedModel,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+)
+
+from trainer.drafters.dflash import _as_additive, apply_rotary
+from trainer.errors import UserError
+
+DEFAULT_BLOCK_SIZE = 4
+# Upper ranks of the rank classes but the last: class 0 = rank 1, 1 = ranks 2-4, 2 = ranks 5-10, 3 = above 10.
+RANK_CLASS_BOUNDS = (1, 4, 10)
+# The rank head reads this many top log-probs, and the gaps from the top-1 to these ranks (1-based).
+RANK_TOPK = 10
+RANK_GAP_RANKS = (2, 3, 5)
+DEFAULT_RANK_HIDDEN_SIZE = 256
+
+
+def eagle3_layer_ids(num_target_layers: int) -> list[int]:
+    """EAGLE-3's feature layers as this project's layer ids: HF ``hidden_states`` ``[2, L//2, L-3]`` →
+    ``[1, L//2 - 1, L - 4]`` (Qwen3-8B, 36 layers: ``[1, 17, 32]``; Llama-3.1-8B, 32 layers: ``[1, 15, 28]``)."""
+    if num_target_layers < 4:
+        raise UserError(
+            f"SpecBlock reads target layers [1, L//2 - 1, L - 4] and needs a target of at least 4 layers, "
+            f"got {num_target_layers}; pass target_layer_ids explicitly"
+        )
+    return [1, num_target_layers // 2 - 1, num_target_layers - 4]
+
+
+def build_config(
+    target_config: PretrainedConfig,
+    num_layers: int = 2,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    target_layer_ids: Sequence[int] | None = None,
+    rank_hidden_size: int = DEFAULT_RANK_HIDDEN_SIZE,
+    **overrides: Any,
+) -> Qwen3Config:
+    """A drafter config for ``target_config``: the target's width, heads, RoPE, vocabulary and norm eps.
+
+    The hidden size must equal the target's (the drafter reads its input embeddings and feeds its LM head);
+    other fields (e.g. ``intermediate_size``) may be overridden. SpecBlock's own settings go under
+    ``specblock_config: {block_size, target_layer_ids, rank_class_bounds, rank_hidden_size}``.
+    """
+    text = target_config.get_text_config()
+    num_target_layers = text.num_hidden_layers
+    if num_layers < 1:
+        raise UserError(f"a SpecBlock drafter needs at least one layer, got num_layers={num_layers}")
+    if block_size < 1:
+        raise UserError(f"block_size must be at least 1, got {block_size}")
+    if rank_hidden_size < 1:
+        raise UserError(f"rank_hidden_size must be at least 1, got {rank_hidden_size}")
+    if text.vocab_size < RANK_TOPK:
+        raise UserError(f"the rank head reads the top-{RANK_TOPK} log-probs; the vocabulary has {text.vocab_size}")
+    layer_ids = eagle3_layer_ids(num_target_layers) if target_layer_ids is None else [int(i) for i in target_layer_ids]
+    bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
+    if not layer_ids or bad:
+        raise UserError(
+            f"target_layer_ids {layer_ids} must be non-empty and within the target's layers 0..{num_target_layers - 1}"
+        )
+    if "hidden_size" in overrides and overrides["hidden_size"] != text.hidden_size:
+        raise UserError(
+            f"the drafter's hidden_size must equal the target's ({text.hidden_size}): it reads the target's input "
+            f"embeddings and feeds the target's LM head; got hidden_size={overrides['hidden_size']}"
+        )
+
+    num_heads = text.num_attention_heads
+    fields: dict[str, Any] = {
+        "vocab_size": text.vocab_size,
+        "hidden_size": text.hidden_size,
+        "intermediate_size": text.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or num_heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // num_heads,
+        "hidden_act": getattr(text, "hidden_act", "silu"),
+        "max_position_embeddings": text.max_position_embeddings,
+        "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
+        "attention_bias": getattr(text, "attention_bias", False),
+        "tie_word_embeddings": False,
+        "num_target_layers": num_target_layers,
+        "specblock_config": {
+            "block_size": block_size,
+            "target_layer_ids": layer_ids,
+            "rank_class_bounds": list(RANK_CLASS_BOUNDS),
+            "rank_hidden_size": rank_hidden_size,
+        },
+        "architectures": ["SpecBlockDraftModel"],
+    }
+    rope = getattr(text, "rope_parameters", None)
+    if rope:
+        fields["rope_parameters"] = copy.deepcopy(dict(rope))
+    fields.update(overrides)
+    return Qwen3Config(**fields)
+
+
+# ---- attention patterns (pure functions; True = may attend) ---------------------------------------------------
+def context_mask(doc_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Shape: doc_ids (B, T) → bool (B, T·K, T·K) over the blocks of T context positions, slot-major per position.
+
+    Query slot ``(i, k)`` sees key slot ``(j, m)`` iff both positions are in the same packed sample and
+    ``j < i``, or ``j == i`` and ``m <= k``. Padding (``doc_ids == 0``) sees only its own slots ``<= k``.
+    """
+    t = doc_ids.shape[1]
+    device = doc_ids.device
+    position = torch.arange(t, device=device).repeat_interleave(block_size)
+    slot = torch.arange(block_size, device=device).repeat(t)
+    doc = doc_ids.repeat_interleave(block_size, dim=1)
+    same_doc = (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] > 0)
+    earlier = position[None, :] < position[:, None]
+    own_causal = (position[None, :] == position[:, None]) & (slot[None, :] <= slot[:, None])
+    return (same_doc & earlier) | own_causal
+
+
+def launch_mask(visible: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Shape: visible (B, N, P) bool → bool (B, 1, N·K, P + N·K): N blocks launched in one call.
+
+    Block ``n`` sees the cached keys ``visible[b, n]`` (its context and ancestors) and its own slots
+    causally (slot ``k`` sees slots ``<= k``); blocks of one call never see each other.
+    """
+    b, n, p = visible.shape
+    device = visible.device
+    block = torch.arange(n, device=device).repeat_interleave(block_size)
+    slot = torch.arange(block_size, device=device).repeat(n)
+    own = (block[:, None] == block[None, :]) & (slot[None, :] <= slot[:, None])
+    cached = visible[:, :, None, :].expand(b, n, block_size, p).reshape(b, n * block_size, p)
+    return torch.cat([cached, own.expand(b, -1, -1)], dim=-1)[:, None]
+
+
+# ---- rank classes ------------------------------------------------------------------------------------------------
+def token_rank(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """1-based rank of ``token`` in each distribution (ties rank in the token's favour).
+
+    Shape: logits (..., V), token (...) → (...) long.
+    """
+    own = logits.gather(-1, token[..., None])
+    return (logits > own).sum(-1) + 1
+
+
+def rank_class(rank: torch.Tensor, bounds: Sequence[int] = RANK_CLASS_BOUNDS) -> torch.Tensor:
+    """Class of a 1-based rank: the number of bounds below it (default: 1 → 0, 2-4 → 1, 5-10 → 2, >10 → 3)."""
+    edges = torch.tensor(list(bounds), device=rank.device, dtype=rank.dtype)
+    return torch.bucketize(rank, edges, right=False)
+
+
+def rank_features(normed_hidden: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """The rank head's input, detached. Shape: (..., H), (..., V) log-softmaxed → (..., H + 15)."""
+    logprobs = logprobs.detach().float()
+    top = logprobs.topk(RANK_TOPK, dim=-1).values
+    gaps = top[..., :1] - top[..., [r - 1 for r in RANK_GAP_RANKS]]
+    entropy = -(logprobs.exp() * logprobs).sum(-1, keepdim=True)
+    return torch.cat([normed_hidden.detach().float(), top, gaps, top[..., :1].exp(), entropy], dim=-1)
+
+
+# ---- modules -----------------------------------------------------------------------------------------------------
+class SpecBlockAttention(nn.Module):
+    """Qwen3 self-attention over the block slots plus cached keys, with an explicit mask through SDPA."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        # Shape: hidden_states (B, Q, H); attention_mask additive (B, 1, Q, P + Q)
+        batch, q_len, _ = hidden_states.shape
+        # Shape: (B, heads, Q, D), (B, kv_heads, Q, D)
+        query = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, self.num_heads, self.head_dim))
+        key = self.k_norm(self.k_proj(hidden_states).view(batch, q_len, self.num_key_value_heads, self.head_dim))
+        value = self.v_proj(hidden_states).view(batch, q_len, self.num_key_value_heads, self.head_dim)
+        cos, sin = position_embeddings
+        query = apply_rotary(query.transpose(1, 2), cos, sin)
+        key = apply_rotary(key.transpose(1, 2), cos, sin)
+        value = value.transpose(1, 2)
+        if cache is not None:
+            # Shape: (B, kv_heads, P + Q, D): rotated keys are cached, so a key keeps its position for good.
+            key, value = cache.update(key, value, self.layer_idx)
+        key = key.repeat_interleave(self.num_key_value_groups, dim=1)
+        value = value.repeat_interleave(self.num_key_value_groups, dim=1)
+        out = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            scale=self.scaling,
+        )
+        # Shape: (B, Q, heads * D) -> (B, Q, H)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
+
+
+class LayerShift(nn.Linear):
+    """``S_l``: ``h <- S_l(concat[h, shift(h)])``, ``shift(h)[k] = h[k-1]`` within a block, ``shift(h)[0] = h[0]``."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__(2 * hidden_size, hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Shape: (B, N, K, H) -> (B, N, K, H)
+        shifted = torch.cat([hidden[:, :, :1], hidden[:, :, :-1]], dim=2)
+        return super().forward(torch.cat([hidden, shifted], dim=-1))
+
+
+class SpecBlockDecoderLayer(nn.Module):
+    """A pre-norm Qwen3 decoder layer over blocks of K slots; layers after the first open with a layer shift."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.shift = LayerShift(config.hidden_size) if layer_idx > 0 else None
+        self.self_attn = SpecBlockAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        # Shape: (B, N, K, H)
+        if self.shift is not None:
+            hidden_states = self.shift(hidden_states)
+        b, n, k, h = hidden_states.shape
+        flat = hidden_states.reshape(b, n * k, h)
+        flat = flat + self.self_attn(self.input_layernorm(flat), position_embeddings, attention_mask, cache)
+        flat = flat + self.mlp(self.post_attention_layernorm(flat))
+        return flat.view(b, n, k, h)
+
+
+class RankHead(nn.Module):
+    """MLP over :func:`rank_features` → logits of the rank classes."""
+
+    def __init__(self, in_features: int, hidden_size: int, num_classes: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(in_features, hidden_size)
+        self.out = nn.Linear(hidden_size, num_classes)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.out(F.silu(self.up(features)))
+
+
+class SpecBlockDraftModel(Qwen3PreTrainedModel):
+    """The SpecBlock drafter: condition/token/slot-query fusion, shifted Qwen3-style layers, ``norm``, rank head."""
+
+    main_input_name = "condition"
+    _no_split_modules: ClassVar[list[str]] = ["SpecBlockDecoderLayer"]
+    # The attention calls torch's SDPA with an explicit mask; other kernels are not wired in.
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _can_record_outputs: ClassVar[dict] = {}
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        spec = getattr(config, "specblock_config", None)
+        if not spec:
+            raise UserError("the config has no specblock_config; build it with trainer.drafters.specblock.build_config")
+        self.block_size = int(spec["block_size"])
+        self.target_layer_ids: list[int] = [int(i) for i in spec["target_layer_ids"]]
+        self.rank_class_bounds: list[int] = [int(b) for b in spec["rank_class_bounds"]]
+        hidden = config.hidden_size
+
+        self.condition_proj = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
+        self.condition_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.token_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.query_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.slot_queries = nn.Parameter(torch.empty(self.block_size, hidden))
+        self.fuse = nn.Linear(3 * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList(SpecBlockDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.rank_head = RankHead(
+            hidden + RANK_TOPK + len(RANK_GAP_RANKS) + 2, int(spec["rank_hidden_size"]), len(self.rank_class_bounds) + 1
+        )
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, LayerShift):
+            # S_l starts as the identity on h (the shifted half at zero): a fresh model is a plain decoder stack
+            # whose residual stream is not rescaled by a random 2H -> H map.
+            h = module.out_features
+            identity = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+            init.copy_(module.weight, identity.to(device=module.weight.device, dtype=module.weight.dtype))
+        elif isinstance(module, SpecBlockDraftModel):
+            init.normal_(module.slot_queries, std=self.config.initializer_range)
+
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        """``P f``: the condition of context blocks. Shape: (B, N, n_layers·H) → (B, N, H)."""
+        if features.shape[-1] != self.condition_proj.in_features:
+            raise ValueError(
+                f"features have {features.shape[-1]} channels; expected {self.condition_proj.in_features} "
+                f"(the {len(self.target_layer_ids)} target layers {self.target_layer_ids} concatenated)"
+            )
+        return self.condition_proj(features)
+
+    def forward(
+        self,
+        condition: torch.Tensor,
+        token_embedding: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+    ) -> torch.Tensor:
+        """Pre-norm hidden states of every slot of N blocks. Shape: (B, N, K, H).
+
+        - ``condition`` (B, N, H): per block, ``project_features(f_s)`` for a context position, or the pre-norm
+          hidden state of the slot a cross-block starts from (``condition_norm`` is applied here).
+        - ``token_embedding`` (B, N, H): the target's input embedding of each block's token ``x_s``.
+        - ``position_ids`` (B, N): the position ``s`` of each block's token; slot ``k`` sits at ``s + 1 + k``.
+        - ``attention_mask``: (B, 1, N·K, P + N·K) over the P cached and the N·K new keys, boolean
+          (``True`` = may attend) or additive float (``0`` / ``finfo.min``); see :func:`context_mask` and
+          :func:`launch_mask`. ``None``: the N blocks are consecutive context positions of one sequence that see
+          every cached key (feeding a context in pieces).
+        - ``past_key_values``: a ``DynamicCache(config=model.config)`` that receives the new keys of every layer
+          and supplies the cached ones; ``crop(-n)`` removes the last n keys.
+        """
+        b, n, hidden = condition.shape
+        k = self.block_size
+        if token_embedding.shape != condition.shape or position_ids.shape != (b, n):
+            raise ValueError(
+                f"condition {tuple(condition.shape)}, token_embedding {tuple(token_embedding.shape)} and "
+                f"position_ids {tuple(position_ids.shape)} must describe the same (B, N) blocks"
+            )
+        cached = past_key_values.get_seq_length(0) if past_key_values is not None else 0
+        if attention_mask is None:
+            own = context_mask(torch.ones(1, n, dtype=torch.long, device=condition.device), k)
+            seen = torch.ones(1, n * k, cached, dtype=torch.bool, device=condition.device)
+            attention_mask = torch.cat([seen, own], dim=-1)[:, None]
+        if attention_mask.shape[-2:] != (n * k, cached + n * k):
+            raise ValueError(
+                f"attention_mask covers {tuple(attention_mask.shape[-2:])} (queries, keys); expected "
+                f"({n * k}, {cached + n * k}) for {n} blocks of {k} slots after {cached} cached keys"
+            )
+        dtype = self.fuse.weight.dtype
+        attention_mask = _as_additive(attention_mask, dtype)
+
+        size = (b, n, k, hidden)
+        # Shape: (B, N, K, 3H) -> (B, N, K, H)
+        fused = torch.cat(
+            [
+                self.condition_norm(condition)[:, :, None].expand(size),
+                self.token_norm(token_embedding)[:, :, None].expand(size),
+                self.query_norm(self.slot_queries)[None, None].expand(size),
+            ],
+            dim=-1,
+        )
+        hidden_states = self.fuse(fused.to(dtype))
+        # Shape: (B, N·K) slot positions s + 1 + k; cos, sin (B, N·K, D)
+        slot_positions = (position_ids[..., None] + 1 + torch.arange(k, device=position_ids.device)).flatten(1)
+        position_embeddings = self.rotary_emb(hidden_states, slot_positions)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, position_embeddings, attention_mask, past_key_values)
+        return hidden_states
+
+    def rank_logits(self, normed_hidden: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+        """Rank-class logits (class c: the target token's rank is within ``rank_class_bounds``' c-th bracket).
+
+        Shape: normed_hidden (..., H) = ``norm(forward(...))``, logprobs (..., V) log-softmaxed draft
+        distribution → (..., len(rank_class_bounds) + 1). Inputs are detached: the head never shapes the drafts.
+        """
+        features = rank_features(normed_hidden, logprobs)
+        return self.rank_head(features.to(self.rank_head.up.weight.dtype))

@@ -1,0 +1,494 @@
+"""SpecBlock training (ALGORITHMS.md §5): a test-time-training unroll of blocks, valid-prefix mask, rank head.
+
+Every position ``i`` of a row is a context block (condition ``P f_i``, token ``x_i``); its slot ``k`` is labelled
+``x_{i+1+k}`` and distilled from the target's distribution at ``i+k`` (forward KL on the teacher's top-k). Up to
+``max_anchors`` positions per row then launch ``num_blocks - 1`` more blocks in turn, each from one slot ``j`` of the
+block before, with that slot's pre-norm hidden state as condition and its argmax token as input, attending to
+what the launching slot saw plus that block's slots ``<= j``: exactly what tree drafting does at inference, run
+through the same ``DynamicCache`` calls. The launch slot is drawn uniformly among the slots whose chain is still
+argmax-correct through it (uniformly among all when none is), so that unrolled blocks mostly train on prefixes
+the drafter does produce.
+
+Valid-prefix mask: a slot counts only if every earlier slot of its chain (the earlier slots of its block, and the
+launch slot and the slots before it in each ancestor block) drafted the data token by argmax. Correctness is
+measured against the data token, not the target's argmax, because the teacher at each slot is the target's
+distribution given the data prefix: only a chain that drafted that prefix is trained on the context its teacher
+saw. Loss: ``Σ_k 0.8^k KL_k + rank_loss``, where ``KL_k`` averages the per-block means of the valid slots ``k`` (each
+unrolled block weighs as much as the context blocks, as every unrolled step does in EAGLE-3's training), and
+``rank_loss`` is the soft cross-entropy of the rank head against the rank class of the target's argmax token in
+the draft distribution, with ordinal label smoothing, over the same valid slots.
+
+Recipe ``recipes/specblock_tiny.yaml`` trains on the shipped tiny target; on CPU::
+
+    trainer fit --recipe specblock_tiny --trainer.max_steps 20
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers import DynamicCache, PretrainedConfig
+
+from trainer.data.features import with_features
+from trainer.drafters.specblock import (
+    SpecBlockDraftModel,
+    build_config,
+    context_mask,
+    launch_mask,
+    rank_class,
+    token_rank,
+)
+from trainer.errors import UserError
+from trainer.export_util import save_hf_dir
+from trainer.losses import forward_kl_topk, tvd_topk
+from trainer.optim import adamw_warmup_cosine
+from trainer.paths import project_path
+from trainer.target import Target, load_causal_lm
+from trainer.training.blocks import sample_anchors
+
+
+# ---- chains (pure functions) -------------------------------------------------------------------------------------
+def valid_slots(prefix_ok: torch.Tensor, match: torch.Tensor) -> torch.Tensor:
+    """Slots whose chain is correct before them. Shape: prefix_ok (B, N), match (B, N, K) → (B, N, K) bool.
+
+    Slot ``k`` is valid iff the block's ancestors were correct (``prefix_ok``) and ``match[..., :k]`` all hold;
+    a wrong slot keeps its own loss (its prefix was right) and zeroes every later slot of its chain.
+    """
+    before = torch.cumprod(match.long(), dim=-1).roll(1, dims=-1)
+    before[..., 0] = 1
+    return prefix_ok[..., None] & before.bool()
+
+
+def correct_through(prefix_ok: torch.Tensor, match: torch.Tensor) -> torch.Tensor:
+    """Slots whose chain is correct up to and including them. Shape: (B, N), (B, N, K) → (B, N, K) bool."""
+    return prefix_ok[..., None] & torch.cumprod(match.long(), dim=-1).bool()
+
+
+def choose_launch_slots(through: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A slot per block, uniform among those with ``through`` set, else uniform. Shape: (B, N, K) → (B, N) long."""
+    noise = torch.rand(through.shape, generator=generator).to(through.device)
+    return (noise + through.float()).argmax(-1)
+
+
+def ordinal_targets(classes: torch.Tensor, num_classes: int, smoothing: float) -> torch.Tensor:
+    """Soft rank-class targets: ``1 - smoothing`` on the class, ``smoothing`` split over its ordinal neighbours
+    (all of it to the one neighbour of an end class). Shape: (...) long → (..., C) float."""
+    c = torch.arange(num_classes, device=classes.device)
+    distance = (c - classes[..., None]).abs()
+    neighbours = (distance == 1).float()
+    spread = neighbours / neighbours.sum(-1, keepdim=True)
+    return (1 - smoothing) * (distance == 0).float() + smoothing * spread
+
+
+# ---- one unrolled block -----------------------------------------------------------------------------------------
+@dataclass
+class BlockResult:
+    """One unrolled block of every chain. The heads and the teacher are kept for the M valid slots only (row-major
+    order of ``valid.nonzero()``): the others carry no loss, and skipping them halves a step's cost."""
+
+    # Shape: (B, N, K, H) pre-norm hidden states (the condition of blocks launched from these slots)
+    hidden: torch.Tensor
+    # Shape: (B, N, K) the drafted (argmax) tokens
+    draft: torch.Tensor
+    # Shape: (B, N, K) bool: labelled inside the sample of a live chain and under the loss mask
+    counted: torch.Tensor
+    # Shape: (B, N, K) bool: counted, and the chain was argmax-correct before the slot
+    valid: torch.Tensor
+    # Shape: (B, N, K) bool: chain argmax-correct up to and including the slot
+    through: torch.Tensor
+    # Shape: (B, N) row index of each block's token (its position in the packed row)
+    start: torch.Tensor
+    # Shape: (M,) slot index of each valid slot
+    slot: torch.Tensor
+    # Shape: (M, V) draft logits of the valid slots
+    logits: torch.Tensor
+    # Shape: (M, C) rank-class logits
+    rank_logits: torch.Tensor
+    # Shape: (M,) rank class of the target's argmax token in the draft distribution
+    rank_target: torch.Tensor
+    # Shape: (M, k) the teacher's top-k ids / log-probs
+    teacher_ids: torch.Tensor
+    teacher_lp: torch.Tensor
+
+
+class SpecBlockTraining(L.LightningModule):
+    """Trains a SpecBlock drafter against a frozen target.
+
+    Args:
+        target: HF causal LM (directory or hub id); its embedding and LM head are the drafter's.
+        num_layers: drafter decoder layers.
+        block_size: slots per block, K.
+        num_blocks: blocks per chain in the unroll (the context block, then num_blocks - 1 launched ones).
+        slot_decay: KL weight ``slot_decay ** k`` of slot k.
+        rank_smoothing: ordinal label smoothing of the rank loss.
+        max_anchors: positions per row that launch the unrolled blocks.
+        target_layer_ids: target layers read; default EAGLE-3's ``[1, L//2 - 1, L - 4]``.
+        intermediate_size: drafter MLP width; default the target's.
+        rank_hidden_size: hidden width of the rank head's MLP.
+        init_from: continue from this SpecBlock HF directory instead of a random init.
+        target_dtype: the target's compute dtype.
+        topk: teacher tokens per position (online features; offline takes the cache's).
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay on matrices.
+        warmup_steps: linear warm-up steps.
+        min_lr_ratio: cosine floor as a fraction of ``lr``.
+        seed: anchor and launch-slot sampling seed (a function of seed and step, so a resumed run draws the same).
+        export_dir: HF directory written at the end of fit; default ``<run>/hf``.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        num_layers: int = 2,
+        block_size: int = 4,
+        num_blocks: int = 3,
+        slot_decay: float = 0.8,
+        rank_smoothing: float = 0.1,
+        max_anchors: int = 64,
+        target_layer_ids: list[int] | None = None,
+        intermediate_size: int | None = None,
+        rank_hidden_size: int = 256,
+        init_from: str | None = None,
+        target_dtype: str = "float32",
+        topk: int = 32,
+        lr: float = 1e-3,
+        weight_decay: float = 0.01,
+        warmup_steps: int = 50,
+        min_lr_ratio: float = 0.1,
+        seed: int = 0,
+        export_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        if num_blocks < 1:
+            raise UserError(f"model.num_blocks must be at least 1 (the context block), got {num_blocks}")
+        if not 0.0 <= rank_smoothing < 1.0:
+            raise UserError(f"model.rank_smoothing must be in [0, 1), got {rank_smoothing}")
+        if max_anchors < 1:
+            raise UserError(f"model.max_anchors must be at least 1, got {max_anchors}")
+        self.save_hyperparameters()
+        self.target: Target | None = None
+        self.drafter: SpecBlockDraftModel | None = None
+        self._sums: dict[str, torch.Tensor] = {}
+
+    # ---- model --------------------------------------------------------------------------------------------
+    def build_drafter(self, target_config: PretrainedConfig) -> SpecBlockDraftModel:
+        hp = self.hparams
+        if hp.init_from:
+            path = project_path(hp.init_from)
+            if not (path / "config.json").is_file():
+                raise UserError(f"model.init_from: no SpecBlock checkpoint at {path}")
+            return SpecBlockDraftModel.from_pretrained(str(path), dtype=torch.float32)
+        overrides = {"intermediate_size": hp.intermediate_size} if hp.intermediate_size else {}
+        config = build_config(
+            target_config, hp.num_layers, hp.block_size, hp.target_layer_ids, hp.rank_hidden_size, **overrides
+        )
+        return SpecBlockDraftModel(config)
+
+    def configure_model(self) -> None:
+        if self.drafter is not None:
+            return
+        model = load_causal_lm(str(project_path(self.hparams.target)), self.hparams.target_dtype)
+        drafter = self.build_drafter(model.config)
+        text = model.config.get_text_config()
+        problems = []
+        if drafter.config.hidden_size != text.hidden_size:
+            problems.append(f"hidden size {drafter.config.hidden_size} vs the target's {text.hidden_size}")
+        if max(drafter.target_layer_ids) >= text.num_hidden_layers:
+            problems.append(f"target layer ids {drafter.target_layer_ids}, the target has {text.num_hidden_layers}")
+        if problems:
+            raise UserError(f"the drafter does not fit the target '{self.hparams.target}': " + "; ".join(problems))
+        self.drafter = drafter
+        self.target = Target(model, drafter.target_layer_ids)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.drafter.target_layer_ids)
+
+    # ---- the unroll ---------------------------------------------------------------------------------------
+    def _generator(self) -> torch.Generator:
+        seed = self.hparams.seed if not self.training else self.hparams.seed * 1_000_003 + self.global_step
+        return torch.Generator().manual_seed(seed)
+
+    def _score(
+        self,
+        batch: dict[str, torch.Tensor],
+        hidden: torch.Tensor,
+        start: torch.Tensor,
+        origin: torch.Tensor,
+        live: torch.Tensor,
+        prefix_ok: torch.Tensor,
+    ) -> BlockResult:
+        """Labels, teacher, drafts, chain masks and heads of blocks whose tokens sit at row index ``start``
+        (B, N). ``origin`` (B, N) is the context row the chain started from (its sample), ``live`` (B, N) whether
+        the chain exists at all (a padding anchor does not), ``prefix_ok`` (B, N) whether it was correct so far."""
+        ids, doc = batch["input_ids"], batch["doc_ids"]
+        t = ids.shape[1]
+        k = self.drafter.block_size
+        at = lambda x, index: x.gather(1, index.flatten(1)).view(index.shape)  # noqa: E731
+        # Shape: (B, N, K) row index of each slot's label x_{s+1+k}
+        label_index = start[..., None] + 1 + torch.arange(k, device=ids.device)
+        index = label_index.clamp(max=t - 1)
+        origin_doc = at(doc, origin)[..., None]
+        labelled = (label_index < t) & (at(doc, index) == origin_doc) & (origin_doc > 0) & live[..., None]
+        counted = labelled & at(batch["loss_mask"], index).bool()
+
+        # The target's distribution at s+k predicts the label; index >= 1 since s >= 0.
+        teacher_index = (index - 1).flatten(1)[..., None]
+        top = batch["teacher_topk_ids"].shape[-1]
+        teacher_ids = batch["teacher_topk_ids"].gather(1, teacher_index.expand(-1, -1, top)).view(*index.shape, top)
+        teacher_lp = batch["teacher_topk_logprobs"].gather(1, teacher_index.expand(-1, -1, top)).view(*index.shape, top)
+
+        normed = self.drafter.norm(hidden)
+        with torch.no_grad():
+            draft = self.target.lm_head(normed).argmax(-1)
+        match = labelled & (draft == at(ids, index))
+        valid = counted & valid_slots(prefix_ok, match)
+        where = valid.nonzero(as_tuple=True)
+        # Shape: (M, H) -> (M, V) the differentiable heads of the valid slots
+        normed_valid = normed[where]
+        logits = self.target.lm_head(normed_valid)
+        teacher_ids, teacher_lp = teacher_ids[where], teacher_lp[where]
+        rank_target = rank_class(token_rank(logits.detach(), teacher_ids[:, 0]), self.drafter.rank_class_bounds)
+        return BlockResult(
+            hidden=hidden,
+            draft=draft,
+            counted=counted,
+            valid=valid,
+            through=correct_through(prefix_ok, match),
+            start=start,
+            slot=where[2],
+            logits=logits,
+            rank_logits=self.drafter.rank_logits(normed_valid, torch.log_softmax(logits.float(), dim=-1)),
+            rank_target=rank_target,
+            teacher_ids=teacher_ids,
+            teacher_lp=teacher_lp,
+        )
+
+    def unroll(self, batch: dict[str, torch.Tensor]) -> list[BlockResult]:
+        """The context blocks of every position, then ``num_blocks - 1`` launched blocks per anchor."""
+        batch = with_features(batch, self.target, self.hparams.topk)
+        drafter = self.drafter
+        ids, doc, positions = batch["input_ids"], batch["doc_ids"], batch["position_ids"]
+        b, t = ids.shape
+        k = drafter.block_size
+        dtype = drafter.fuse.weight.dtype
+        embed = self.target.embed_tokens
+        generator = self._generator()
+        cache = DynamicCache(config=drafter.config)
+
+        rows = torch.arange(t, device=ids.device).expand(b, t)
+        hidden = drafter(
+            drafter.project_features(batch["features"].to(dtype)),
+            embed(ids).to(dtype),
+            positions,
+            context_mask(doc, k)[:, None],
+            cache,
+        )
+        live = doc > 0
+        results = [self._score(batch, hidden, rows, rows, live, live)]
+        if self.hparams.num_blocks == 1:
+            return results
+
+        anchors, anchor_ok = sample_anchors(batch["loss_mask"], doc, self.hparams.max_anchors, generator)
+        a = anchors.clamp(min=0)
+        n = a.shape[1]
+        pick = lambda x: x[torch.arange(b, device=ids.device)[:, None], a]  # noqa: E731
+        # The block launches start from: hidden (B, A, K, H), drafts and chain state (B, A, K), token rows (B, A)
+        prev_hidden, prev_draft, prev_start = pick(results[0].hidden), pick(results[0].draft), a
+        prev_through = pick(results[0].through) & anchor_ok[..., None]
+        # Shape: (B, A, T·K) the context keys an anchor's chain sees: every slot of the earlier positions of its
+        # sample. Keys of the anchor's own context block are added as ancestors at the launch.
+        key_row = torch.arange(t, device=ids.device).repeat_interleave(k)
+        key_doc = doc.repeat_interleave(k, dim=1)
+        anchor_doc = doc.gather(1, a)
+        visible = (key_row < a[..., None]) & (key_doc[:, None, :] == anchor_doc[..., None]) & anchor_ok[..., None]
+        # Shape: (B, A, K) cache index of each slot of the block a launch starts from
+        slot = torch.arange(k, device=ids.device)
+        prev_keys = a[..., None] * k + slot
+
+        for _ in range(self.hparams.num_blocks - 1):
+            j = choose_launch_slots(prev_through, generator)
+            visible = visible | torch.zeros_like(visible).scatter(2, prev_keys, slot <= j[..., None])
+            condition = prev_hidden.gather(2, j[..., None, None].expand(-1, -1, 1, prev_hidden.shape[-1])).squeeze(2)
+            token = prev_draft.gather(2, j[..., None]).squeeze(2)
+            prefix_ok = prev_through.gather(2, j[..., None]).squeeze(2)
+            start = prev_start + 1 + j
+            cached = cache.get_seq_length(0)
+            hidden = drafter(
+                condition,
+                embed(token).to(dtype),
+                pick(positions) + (start - a),
+                launch_mask(visible, k),
+                cache,
+            )
+            result = self._score(batch, hidden, start, a, anchor_ok, prefix_ok)
+            results.append(result)
+            prev_hidden, prev_draft, prev_start, prev_through = hidden, result.draft, start, result.through
+            # The new block's keys follow the cache; its slots become ancestors only through the next launch.
+            visible = torch.cat([visible, torch.zeros(b, n, n * k, dtype=torch.bool, device=ids.device)], dim=-1)
+            prev_keys = cached + torch.arange(n, device=ids.device)[None, :, None] * k + slot
+        return results
+
+    # ---- losses -------------------------------------------------------------------------------------------
+    def _slot_means(self, values: list[torch.Tensor], results: list[BlockResult]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per (block, slot) means of per-valid-slot ``values`` (M,) each, and which (block, slot) have any valid
+        slot. Shape: (n_blocks, K) × 2."""
+        k = self.drafter.block_size
+        means, present = [], []
+        for v, r in zip(values, results, strict=True):
+            count = torch.bincount(r.slot, minlength=k)
+            total = torch.zeros(k, dtype=v.dtype, device=v.device).index_add(0, r.slot, v)
+            means.append(total / count.clamp(min=1))
+            present.append(count > 0)
+        return torch.stack(means), torch.stack(present)
+
+    def losses(self, results: list[BlockResult]) -> dict[str, torch.Tensor]:
+        hp = self.hparams
+        kl = [forward_kl_topk(r.logits, r.teacher_ids, r.teacher_lp) for r in results]
+        num_classes = results[0].rank_logits.shape[-1]
+        rank = [
+            -(
+                ordinal_targets(r.rank_target, num_classes, hp.rank_smoothing) * r.rank_logits.float().log_softmax(-1)
+            ).sum(-1)
+            for r in results
+        ]
+        kl_means, present = self._slot_means(kl, results)
+        rank_means, _ = self._slot_means(rank, results)
+        p = present.float()
+        # Shape: (K,) the mean over blocks of each slot's mean KL
+        kl_per_slot = (kl_means * p).sum(0) / p.sum(0).clamp(min=1)
+        decay = hp.slot_decay ** torch.arange(kl_per_slot.shape[0], device=kl_per_slot.device, dtype=torch.float32)
+        kl_loss = (decay * kl_per_slot).sum()
+        rank_loss = (rank_means * p).sum() / p.sum().clamp(min=1)
+        counted = sum(r.counted.sum() for r in results)
+        return {
+            "loss": kl_loss + rank_loss,
+            "kl": kl_loss,
+            "rank": rank_loss,
+            "valid_fraction": sum(r.valid.sum() for r in results) / counted.clamp(min=1),
+        }
+
+    def training_step(self, batch, batch_idx):
+        out = self.losses(self.unroll(batch))
+        self.log("train/loss", out["loss"], prog_bar=True)
+        self.log("train/kl", out["kl"])
+        self.log("train/rank", out["rank"])
+        self.log("train/valid_fraction", out["valid_fraction"])
+        return out["loss"]
+
+    def validation_step(self, batch, batch_idx):
+        results = self.unroll(batch)
+        out = self.losses(results)
+        self.log("val/loss", out["loss"], prog_bar=True, sync_dist=True)
+        self.log("val/kl", out["kl"], sync_dist=True)
+        self.log("val/rank", out["rank"], sync_dist=True)
+        self.accumulate_depth_metrics(results)
+
+    # ---- metrics ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def accumulate_depth_metrics(self, results: list[BlockResult]) -> None:
+        """Sums per (block, slot): counted and valid slots; over valid slots top-1 agreement with the target's
+        argmax, TVD to the target, rank-head accuracy."""
+        k = self.drafter.block_size
+        per_slot = lambda v, r: torch.zeros(k, device=v.device).index_add(0, r.slot, v.float())  # noqa: E731
+        stats: dict[str, list[torch.Tensor]] = {"counted": [], "valid": [], "top1": [], "tvd": [], "rank_acc": []}
+        for r in results:
+            stats["counted"].append(r.counted.float().sum(dim=(0, 1)))
+            stats["valid"].append(r.valid.float().sum(dim=(0, 1)))
+            stats["top1"].append(per_slot(r.logits.argmax(-1) == r.teacher_ids[:, 0], r))
+            stats["tvd"].append(per_slot(tvd_topk(r.logits, r.teacher_ids, r.teacher_lp), r))
+            stats["rank_acc"].append(per_slot(r.rank_logits.argmax(-1) == r.rank_target, r))
+        for key, values in stats.items():
+            total = torch.stack(values).detach().cpu()
+            self._sums[key] = self._sums.get(key, 0) + total
+
+    def on_validation_epoch_start(self) -> None:
+        self._sums = {}
+
+    def depth_table(self) -> dict[str, list[list[float]]]:
+        """``{stat: [[value at slot 0..K-1] per block]}``: valid is the share of counted slots (labelled, under
+        the loss mask) whose chain was correct before them; top1, tvd and rank_acc are means over valid slots."""
+        if not self._sums:
+            return {}
+        valid = self._sums["valid"]
+        out = {"valid": (valid / self._sums["counted"].clamp(min=1)).tolist(), "count": valid.tolist()}
+        for stat in ("top1", "tvd", "rank_acc"):
+            out[stat] = (self._sums[stat] / valid.clamp(min=1)).tolist()
+        return out
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            # The sanity pass sees an untrained drafter; the table printed at fit end must not be its.
+            self._sums = {}
+            return
+        table = self.depth_table()
+        for stat in ("valid", "top1", "tvd", "rank_acc"):
+            for block, row in enumerate(table.get(stat, [])):
+                for slot, value in enumerate(row):
+                    if table["count"][block][slot] > 0:
+                        self.log(f"val_depth/{stat}/b{block + 1}s{slot}", value, sync_dist=True)
+        if self.trainer.state.fn == "validate" and self.trainer.is_global_zero:
+            self.print_depth_table()
+
+    def print_depth_table(self) -> None:
+        table = self.depth_table()
+        if not table:
+            return
+        t = Table(title="SpecBlock per (block, slot) on validation: valid = chain correct before the slot")
+        for column in ("block", "slot", "valid", "top1", "tvd", "rank acc", "n valid"):
+            t.add_column(column)
+        for block, counts in enumerate(table["count"]):
+            for slot, count in enumerate(counts):
+                t.add_row(
+                    str(block + 1),
+                    str(slot),
+                    f"{table['valid'][block][slot]:.3f}",
+                    f"{table['top1'][block][slot]:.3f}",
+                    f"{table['tvd'][block][slot]:.3f}",
+                    f"{table['rank_acc'][block][slot]:.3f}",
+                    str(int(count)),
+                )
+        Console().print(t)
+
+    # ---- optimisation, checkpoints, export -----------------------------------------------------------------
+    def configure_optimizers(self):
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        hp = self.hparams
+        return adamw_warmup_cosine(
+            params, hp.lr, hp.weight_decay, hp.warmup_steps, self.trainer.estimated_stepping_batches, hp.min_lr_ratio
+        )
+
+    def state_dict(self, *args, **kwargs):
+        # The frozen target is rebuilt from its path; checkpoints hold the drafter only.
+        return {k: v for k, v in super().state_dict(*args, **kwargs).items() if not k.startswith("target.")}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        missing, unexpected = super().load_state_dict(state_dict, strict=False, assign=assign)
+        missing = [k for k in missing if not k.startswith("target.")]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"checkpoint does not match the drafter: missing {missing}, unexpected {unexpected}")
+        return missing, unexpected
+
+    def on_fit_start(self) -> None:
+        cache = getattr(self.trainer.datamodule, "feature_cache", None)
+        if cache is not None and cache.manifest["config"]["layers"] != self.layer_ids:
+            raise UserError(
+                f"the feature cache {cache.root} holds target layers {cache.manifest['config']['layers']}, "
+                f"the drafter reads {self.layer_ids}; rebuild it with trainer data cache --layers '{self.layer_ids}'"
+            )
+
+    def export(self) -> Path:
+        """Write the drafter as an HF directory (``export_dir`` or ``<run>/hf``)."""
+        out = Path(self.hparams.export_dir or Path(self.trainer.log_dir or ".") / "hf")
+        save_hf_dir(out, self.drafter.save_pretrained)
+        return out
+
+    def on_fit_end(self) -> None:
+        if self.trainer.is_global_zero:
+            self.print_depth_table()
+            print(f"SpecBlock drafter -> {self.export()}")
