@@ -13,6 +13,8 @@ from tests.test_spec_verify import chi2_pvalue
 from trainer.drafters.dflash import DFlashDraftModel, build_config
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.eagle3 import build_config as eagle3_config
+from trainer.drafters.specblock import SpecBlockDraftModel
+from trainer.drafters.specblock import build_config as specblock_config
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.spec.drafting import load_drafter
 from trainer.spec.engine import BUILDERS, generate, make_session
@@ -74,6 +76,24 @@ def test_eagle_greedy_is_lossless(shipped):
             assert out.steps[0].forwards == 7
 
 
+def test_specblock_greedy_is_lossless(shipped):
+    """A random SpecBlock drafter (random rank classes, so branching, stops and launches all occur)."""
+    target, _, _, prompts = shipped
+    torch.manual_seed(0)
+    drafter = SpecBlockDraftModel(specblock_config(target.config)).eval()
+    for budget in (16, 60):
+        for prompt in prompts[:4]:
+            reference = target.generate(prompt[None], max_new_tokens=32, min_new_tokens=32, do_sample=False)
+            session = make_session("specblock", target, drafter)
+            out = generate(target, session, BUILDERS["specblock"], prompt, 32, budget)
+            assert out.tokens == reference[0, prompt.numel() :].tolist()
+            # A root slot of rank class 3 (">10") stops its branch, so a tree may be empty.
+            assert all(0 <= s.tree_size <= budget for s in out.steps)
+            assert any(s.tree_size > 0 for s in out.steps)
+            # The context forward, then one to three rounds of blocks.
+            assert all(2 <= s.forwards <= 4 for s in out.steps)
+
+
 def test_chain_matches_dflash_generate(shipped, monkeypatch):
     dflash_model = pytest.importorskip("dflash.model")
     # The reference times with CUDA synchronisation; the wall clock is enough on CPU.
@@ -112,7 +132,9 @@ def small_vocab():
     treeflash = TreeFlashDraftModel.from_dflash(dflash).eval()
     torch.nn.init.normal_(treeflash.ar_approximation.d.weight, std=0.5)
     eagle = Eagle3DraftModel(eagle3_config(config, draft_vocab_size=12)).eval()
-    return target, {"chain": dflash, "ddtree": dflash, "recycling": None, "treeflash": treeflash, "eagle": eagle}
+    specblock = SpecBlockDraftModel(specblock_config(config, target_layer_ids=[0, 1, 2])).eval()
+    drafters = {"chain": dflash, "ddtree": dflash, "recycling": None, "treeflash": treeflash, "eagle": eagle}
+    return target, {**drafters, "specblock": specblock}
 
 
 def exact_marginals(target, prompt: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +159,7 @@ def exact_marginals(target, prompt: torch.Tensor, sampling: Sampling) -> tuple[t
         ("treeflash", Sampling(temperature=1.0, top_p=0.9)),
         ("recycling", Sampling(temperature=1.0)),
         ("eagle", Sampling(temperature=1.0)),
+        ("specblock", Sampling(temperature=1.0)),
     ],
 )
 def test_sampling_follows_the_target_distribution(small_vocab, tree, sampling):

@@ -53,44 +53,59 @@ class DraftSession:
         every verified node."""
 
 
-class BlockDraftSession(DraftSession):
+class ContextSession(DraftSession):
+    """A drafter conditioned on target features of committed positions: it keeps the committed tokens and the
+    features it has not consumed yet (``pending``, those of positions ``entered ..``)."""
+
+    def __init__(self, target: PreTrainedModel, layer_ids: list[int]) -> None:
+        super().__init__()
+        self.embed = target.get_input_embeddings()
+        self.head = target.get_output_embeddings()
+        self.layer_ids = tuple(layer_ids)
+        self.tokens: list[int] = []
+        # Shape: (1, C, n*H) for the C committed positions not consumed yet.
+        self.pending: torch.Tensor | None = None
+        self.entered = 0
+
+    def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
+        self.tokens = prompt.tolist()
+        self.pending = features[None]
+
+    def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:
+        self.tokens += tokens
+        new = features[None]
+        self.pending = new if self.pending is None else torch.cat([self.pending, new], dim=1)
+
+    def take_pending(self) -> tuple[int, int, torch.Tensor | None]:
+        """Consume the pending features: ``(first position, end position, features or None)``."""
+        start, end, pending = self.entered, len(self.tokens), self.pending
+        self.entered, self.pending = end, None
+        return start, end, pending
+
+
+class BlockDraftSession(ContextSession):
     """A DFlash drafter: context features are cached in the drafter's KV cache once, then one block forward
     per step from the root (``[root, MASK, ...]``) gives every depth's marginals."""
 
     def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel) -> None:
-        super().__init__()
+        super().__init__(target, drafter.target_layer_ids)
         self.drafter = drafter
-        self.embed = target.get_input_embeddings()
-        self.head = target.get_output_embeddings()
-        self.layer_ids = tuple(drafter.target_layer_ids)
         self.max_depth = drafter.block_size - 1
         self.cache = DynamicCache(config=drafter.config)
-        # Target features of committed positions whose drafter keys are not cached yet. Shape: (1, C, n*H)
-        self.pending: torch.Tensor | None = None
-        # Position of the next root (the number of committed tokens before it).
-        self.position = 0
-
-    def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
-        self.pending = features[None]
-        self.position = prompt.numel()
-
-    def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:
-        new = features[None]
-        self.pending = new if self.pending is None else torch.cat([self.pending, new], dim=1)
-        self.position += len(tokens)
 
     def _block(self, root: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafter hidden states of the block ``[root, MASK x depth]``, pre-norm and normed. Shape: (depth + 1, H)"""
         device = self.cache_device
         block = torch.full((1, depth + 1), self.drafter.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = root
-        context = self.pending.shape[1] if self.pending is not None else 0
-        positions = torch.arange(self.position - context, self.position + depth + 1, device=device)[None]
+        start, end, pending = self.take_pending()
+        positions = torch.arange(start, end + depth + 1, device=device)[None]
         dtype = self.drafter.fc.weight.dtype
-        empty = torch.zeros(1, 0, self.drafter.fc.in_features, dtype=dtype, device=device)
+        if pending is None:
+            pending = torch.zeros(1, 0, self.drafter.fc.in_features, device=device)
         hidden = self.drafter(
             noise_embedding=self.embed(block).to(dtype),
-            target_hidden=(self.pending if self.pending is not None else empty).to(dtype),
+            target_hidden=pending.to(dtype),
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
@@ -98,7 +113,6 @@ class BlockDraftSession(DraftSession):
         )
         # The context keys stay cached; the block's keys are dropped (the next block starts elsewhere).
         self.cache.crop(-(depth + 1))
-        self.pending = None
         self.forwards += 1
         return hidden[0], self.drafter.norm(hidden[0])
 
@@ -192,30 +206,15 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTra
     )
 
 
-class Eagle3Session(DraftSession):
+class Eagle3Session(ContextSession):
     """EAGLE-3 with EAGLE-2's dynamic tree: context positions are entered into the drafter's KV cache once as
     ``(fuse(f_t), E[x_{t+1}])``; each step enters the pending ones (the last pairs with the root) and then
     expands a beam of frontier nodes depth by depth, one drafter forward per depth."""
 
     def __init__(self, drafter: Eagle3DraftModel, target: PreTrainedModel) -> None:
-        super().__init__()
+        super().__init__(target, drafter.target_layer_ids)
         self.drafter = drafter
-        self.embed = target.get_input_embeddings()
-        self.layer_ids = tuple(drafter.target_layer_ids)
         self.cache = drafter.make_cache()
-        self.tokens: list[int] = []
-        # Target features of committed positions not entered yet. Shape: (1, C, 3H)
-        self.pending: torch.Tensor | None = None
-        self.entered = 0
-
-    def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
-        self.tokens = prompt.tolist()
-        self.pending = features[None]
-
-    def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:
-        self.tokens += tokens
-        new = features[None]
-        self.pending = new if self.pending is None else torch.cat([self.pending, new], dim=1)
 
     def _forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask) -> torch.Tensor:
         self.forwards += 1
@@ -225,13 +224,10 @@ class Eagle3Session(DraftSession):
     def enter_context(self, root: int) -> torch.Tensor:
         """Enter the pending context positions; the last one's pre-norm output (it drafts depth 1). Shape: (H,)"""
         device = self.drafter.fc.weight.device
-        start, end = self.entered, len(self.tokens)
+        start, end, pending = self.take_pending()
         following = torch.tensor([*self.tokens[start + 1 :], root], device=device)[None]
         positions = torch.arange(start, end, device=device)[None]
-        out = self._forward(
-            self.drafter.fuse(self.pending.to(self.drafter.fc.weight.dtype)), following, positions, None
-        )
-        self.entered, self.pending = end, None
+        out = self._forward(self.drafter.fuse(pending.to(self.drafter.fc.weight.dtype)), following, positions, None)
         return out[0, -1]
 
     def expand(self, hidden: torch.Tensor, tokens: torch.Tensor, depth: int, visible: torch.Tensor) -> torch.Tensor:
@@ -262,7 +258,7 @@ class Eagle3Session(DraftSession):
         return self.drafter.logits(prenorm).float().log_softmax(-1)
 
 
-class SpecBlockSession(DraftSession):
+class SpecBlockSession(ContextSession):
     """SpecBlock: committed positions are entered as context blocks (``K`` slots each, conditioned on their
     target features); a step launches the root block from the last context position's slot 0 (which predicts
     the root) and then further blocks from pending leaves, several per drafter forward.
@@ -271,26 +267,10 @@ class SpecBlockSession(DraftSession):
     order; :meth:`drop_tree` removes the blocks again."""
 
     def __init__(self, drafter: SpecBlockDraftModel, target: PreTrainedModel) -> None:
-        super().__init__()
+        super().__init__(target, drafter.target_layer_ids)
         self.drafter = drafter
-        self.embed = target.get_input_embeddings()
-        self.head = target.get_output_embeddings()
-        self.layer_ids = tuple(drafter.target_layer_ids)
         self.block_size = drafter.block_size
         self.cache = DynamicCache(config=drafter.config)
-        self.tokens: list[int] = []
-        # Target features of committed positions not entered yet. Shape: (1, C, n*H)
-        self.pending: torch.Tensor | None = None
-        self.entered = 0
-
-    def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
-        self.tokens = prompt.tolist()
-        self.pending = features[None]
-
-    def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:
-        self.tokens += tokens
-        new = features[None]
-        self.pending = new if self.pending is None else torch.cat([self.pending, new], dim=1)
 
     @property
     def device(self) -> torch.device:
@@ -300,13 +280,12 @@ class SpecBlockSession(DraftSession):
         """Enter the pending context positions. Returns the root block's condition (the last position's slot-0
         pre-norm state, which predicted the root; Shape: (H,)) and the keys it may see (Shape: (P,) bool)."""
         dtype = self.drafter.fuse.weight.dtype
-        start, end = self.entered, len(self.tokens)
+        start, end, pending = self.take_pending()
         tokens = torch.tensor(self.tokens[start:end], device=self.device)[None]
         positions = torch.arange(start, end, device=self.device)[None]
-        condition = self.drafter.project_features(self.pending.to(dtype))
+        condition = self.drafter.project_features(pending.to(dtype))
         out = self.drafter(condition, self.embed(tokens).to(dtype), positions, past_key_values=self.cache)
         self.forwards += 1
-        self.entered, self.pending = end, None
         k = self.block_size
         visible = torch.zeros(self.cache.get_seq_length(), dtype=torch.bool, device=self.device)
         # Every slot of the earlier positions, and slot 0 of the last one.
