@@ -270,39 +270,32 @@ def plots(summary: dict, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
-    fig, ax = plt.subplots(figsize=(6, 4))
+    def figure(name: str, xlabel: str, ylabel: str, lines: list[tuple[list, list, str]], log_x: bool) -> Path:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for xs, ys, label in lines:
+            ax.plot(xs, ys, marker="o", markersize=3, label=label)
+        if log_x:
+            ax.set_xscale("log", base=2)
+        ax.set(xlabel=xlabel, ylabel=ylabel)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        return out / name
+
+    tau_lines, acceptance_lines = [], []
     for cond, entry in summary["conditions"].items():
         for tree, by_budget in entry["runs"].items():
             budgets = sorted(by_budget, key=int)
-            ax.plot(
-                [int(b) for b in budgets], [by_budget[b]["tau"] for b in budgets], marker="o", label=f"{tree} ({cond})"
-            )
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("node budget")
-    ax.set_ylabel("τ (tokens per verification)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    written.append(out / "tau_vs_budget.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for cond, entry in summary["conditions"].items():
-        for tree, by_budget in entry["runs"].items():
-            for budget, r in by_budget.items():
-                acc = r["acceptance_by_depth"]
-                ax.plot(range(1, len(acc) + 1), acc, marker=".", label=f"{tree}@{budget} ({cond})")
-    ax.set_xlabel("depth d")
-    ax.set_ylabel("P(accepted ≥ d)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    written.append(out / "acceptance_by_depth.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
-    return written
+            tau_lines.append(([int(b) for b in budgets], [by_budget[b]["tau"] for b in budgets], f"{tree} ({cond})"))
+            for budget in budgets:
+                acc = by_budget[budget]["acceptance_by_depth"]
+                acceptance_lines.append((list(range(1, len(acc) + 1)), acc, f"{tree}@{budget} ({cond})"))
+    return [
+        figure("tau_vs_budget.png", "node budget", "τ (tokens per verification)", tau_lines, log_x=True),
+        figure("acceptance_by_depth.png", "depth d", "P(accepted ≥ d)", acceptance_lines, log_x=False),
+    ]
 
 
 # ---- command --------------------------------------------------------------------------------------------------
