@@ -4,30 +4,37 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from trainer.data.prepare import DataSpec, DraftData
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGET = ROOT / "checkpoints" / "target_tiny"
+
+
+def qwen3_config(num_layers: int = 8, vocab_size: int = 97, **fields: Any) -> Qwen3Config:
+    """A tiny Qwen3 config: hidden 32, MLP 64, 4 query and 2 key/value heads of 8 dims, plus ``fields``."""
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        **fields,
+    )
 
 
 @pytest.fixture
 def tiny_qwen3() -> Qwen3ForCausalLM:
     """A config-built 4-layer Qwen3 with hidden 32, fp32, random weights."""
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        attn_implementation="sdpa",
-    )
-    return Qwen3ForCausalLM(config).eval()
+    return Qwen3ForCausalLM(qwen3_config(4, attn_implementation="sdpa")).eval()
 
 
 def make_tiny_target(out: Path, num_layers: int = 8, seed: int = 0) -> Qwen3Config:
@@ -36,16 +43,7 @@ def make_tiny_target(out: Path, num_layers: int = 8, seed: int = 0) -> Qwen3Conf
 
     tok = AutoTokenizer.from_pretrained(TINY_TARGET)
     torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=True,
-    )
+    config = qwen3_config(num_layers, vocab_size=len(tok), tie_word_embeddings=True)
     Qwen3ForCausalLM(config).save_pretrained(out)
     tok.save_pretrained(out)
     return config
@@ -87,15 +85,33 @@ def fit_recording_losses(module, datamodule, max_steps: int, limit_val_batches: 
     return losses
 
 
+def make_target_dirs(root: Path, n_modules: int) -> Qwen3Config:
+    """``root/target`` (config-built 8-layer target) and ``root/text`` (``n_modules`` stdlib files); the target's
+    config."""
+    config = make_tiny_target(root / "target")
+    copy_stdlib(root / "text", n_modules)
+    return config
+
+
 def make_drafter_dirs(root: Path, n_modules: int) -> Path:
-    """``root/target`` (config-built 8-layer target), ``root/dflash`` (random 1-layer, block-8 DFlash drafter
-    for it) and ``root/text`` (``n_modules`` stdlib files)."""
+    """:func:`make_target_dirs` plus ``root/dflash`` (a random 1-layer, block-8 DFlash drafter for the target)."""
     from transformers import AutoTokenizer
 
     from trainer.drafters.dflash import DFlashDraftModel, build_config
 
-    target_config = make_tiny_target(root / "target")
+    target_config = make_target_dirs(root, n_modules)
     mask_id = AutoTokenizer.from_pretrained(TINY_TARGET).mask_token_id
     DFlashDraftModel(build_config(target_config, 1, 8, mask_id)).save_pretrained(root / "dflash")
-    copy_stdlib(root / "text", n_modules)
     return root
+
+
+def text_data(root: Path, max_length: int = 128) -> DraftData:
+    """Batches of two rows of ``root/text`` tokenised by ``root/target``, a fifth of the files for validation."""
+    spec = DataSpec(
+        paths=[str(root / "text")],
+        format="text",
+        tokenizer=str(root / "target"),
+        max_length=max_length,
+        validation_fraction=0.2,
+    )
+    return DraftData(spec, batch_size=2)

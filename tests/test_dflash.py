@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from conftest import qwen3_config
 from safetensors.torch import load_file
 from transformers import DynamicCache, Qwen3Config
 
@@ -50,15 +51,7 @@ WEIGHT_NAMES = {
 
 @pytest.fixture(scope="module")
 def target_config() -> Qwen3Config:
-    return Qwen3Config(
-        vocab_size=101,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
+    return qwen3_config(vocab_size=101)
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,9 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_TARGET, copy_stdlib, fit_recording_losses, make_tiny_target
+from conftest import TINY_TARGET, fit_recording_losses, make_target_dirs, text_data
 from transformers import AutoTokenizer
 
-from trainer.data.prepare import DataSpec, DraftData
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.training.dflash import DFlashTraining
 
@@ -13,20 +12,12 @@ from trainer.training.dflash import DFlashTraining
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dflash_train")
-    make_tiny_target(root / "target")
-    copy_stdlib(root / "text", 12)
+    make_target_dirs(root, 12)
     return root
 
 
 @pytest.mark.parametrize("loss", ["ce", "kl"])
 def test_dflash_fit_learns_and_exports_reference_format(dirs, tmp_path, loss):
-    spec = DataSpec(
-        paths=[str(dirs / "text")],
-        format="text",
-        tokenizer=str(dirs / "target"),
-        max_length=128,
-        validation_fraction=0.2,
-    )
     module = DFlashTraining(
         target=str(dirs / "target"),
         num_layers=2,
@@ -37,7 +28,7 @@ def test_dflash_fit_learns_and_exports_reference_format(dirs, tmp_path, loss):
         warmup_steps=1,
         export_dir=str(tmp_path / "hf"),
     )
-    losses = fit_recording_losses(module, DraftData(spec, batch_size=2), max_steps=15)
+    losses = fit_recording_losses(module, text_data(dirs), max_steps=15)
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
     # The drafter reads target layers by §1's rule (8 target layers, 2 drafter layers → [1, 5]).
     assert module.target.layer_ids == [1, 5]

@@ -3,12 +3,11 @@ import json
 import lightning as L
 import pytest
 import torch
-from conftest import copy_stdlib, fit_recording_losses, make_tiny_target
+from conftest import fit_recording_losses, make_target_dirs, make_tiny_target, qwen3_config, text_data
 from safetensors import safe_open
 from transformers import Qwen3Config
 
 from trainer.data.features import with_features
-from trainer.data.prepare import DataSpec, DraftData
 from trainer.data.vocab import DraftVocab
 from trainer.drafters.eagle3 import Eagle3DraftModel, build_config
 from trainer.errors import UserError
@@ -40,16 +39,7 @@ SGLANG_KEYS = {
 
 
 def target_config(num_layers: int = 8) -> Qwen3Config:
-    return Qwen3Config(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-    )
+    return qwen3_config(num_layers, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
 def drafter(draft_vocab_size: int = 40, seed: int = 0) -> Eagle3DraftModel:
@@ -188,8 +178,7 @@ def test_unroll_respects_loss_mask_and_document_boundaries():
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle3")
-    config = make_tiny_target(root / "target")
-    copy_stdlib(root / "text", 12)
+    config = make_target_dirs(root, 12)
     torch.manual_seed(0)
     Eagle3DraftModel(build_config(config, 256)).save_pretrained(root / "drafter")
     return root
@@ -272,13 +261,6 @@ def test_restricted_teacher_renormalises_over_the_draft_vocabulary():
 
 
 def test_fit_learns_builds_the_vocabulary_and_exports_sglang_layout(dirs, tmp_path, capsys):
-    spec = DataSpec(
-        paths=[str(dirs / "text")],
-        format="text",
-        tokenizer=str(dirs / "target"),
-        max_length=128,
-        validation_fraction=0.2,
-    )
     module = Eagle3Training(
         target=str(dirs / "target"),
         draft_vocab_size=512,
@@ -287,7 +269,7 @@ def test_fit_learns_builds_the_vocabulary_and_exports_sglang_layout(dirs, tmp_pa
         warmup_steps=1,
         export_dir=str(tmp_path / "hf"),
     )
-    data = DraftData(spec, batch_size=2)
+    data = text_data(dirs)
     losses = fit_recording_losses(module, data, max_steps=15, limit_val_batches=2)
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
     assert module.target.layer_ids == [1, 3, 4]

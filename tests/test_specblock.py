@@ -5,11 +5,10 @@ import json
 
 import pytest
 import torch
-from conftest import copy_stdlib, fit_recording_losses, make_tiny_target
+from conftest import fit_recording_losses, make_target_dirs, make_tiny_target, qwen3_config, text_data
 from safetensors import safe_open
-from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+from transformers import DynamicCache, Qwen3ForCausalLM
 
-from trainer.data.prepare import DataSpec, DraftData
 from trainer.drafters.specblock import (
     SpecBlockDraftModel,
     build_config,
@@ -33,16 +32,7 @@ H, K = 32, 4
 
 def drafter_for(num_target_layers: int = 8, seed: int = 0) -> SpecBlockDraftModel:
     torch.manual_seed(seed)
-    target = Qwen3Config(
-        vocab_size=97,
-        hidden_size=H,
-        intermediate_size=64,
-        num_hidden_layers=num_target_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
-    model = SpecBlockDraftModel(build_config(target, num_layers=2, block_size=K)).eval()
+    model = SpecBlockDraftModel(build_config(qwen3_config(num_target_layers), num_layers=2, block_size=K)).eval()
     # Break the identity init of the shifts, so that the shifted half of S_l matters in these tests.
     with torch.no_grad():
         for layer in model.layers[1:]:
@@ -258,26 +248,14 @@ def test_valid_prefix_mask_zeroes_later_slots_of_a_wrong_chain_only():
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("specblock")
-    make_tiny_target(root / "target")
-    copy_stdlib(root / "text", 12)
+    make_target_dirs(root, 12)
     return root
-
-
-def data_for(dirs) -> DraftData:
-    spec = DataSpec(
-        paths=[str(dirs / "text")],
-        format="text",
-        tokenizer=str(dirs / "target"),
-        max_length=96,
-        validation_fraction=0.2,
-    )
-    return DraftData(spec, batch_size=2)
 
 
 def test_unroll_shapes_and_chains(dirs):
     module = SpecBlockTraining(target=str(dirs / "target"), max_anchors=5)
     module.configure_model()
-    data = data_for(dirs)
+    data = text_data(dirs, max_length=96)
     batch = next(iter(data.train_dataloader()))
     b, t = batch["input_ids"].shape
     results = module.unroll(batch)
@@ -315,7 +293,7 @@ def test_short_fit_learns_and_exports(dirs, tmp_path):
         return out
 
     module.losses = recording
-    losses = fit_recording_losses(module, data_for(dirs), max_steps=15)
+    losses = fit_recording_losses(module, text_data(dirs, max_length=96), max_steps=15)
     assert len(losses) == len(kl) == 15 and all(torch.isfinite(torch.tensor(losses)))
     assert sum(kl[-3:]) / 3 < sum(kl[:3]) / 3
     module.eval()
@@ -352,17 +330,7 @@ def test_target_too_shallow_is_a_clear_error(tmp_path):
 
 def test_forward_drafts_for_a_real_target_end_to_end():
     torch.manual_seed(0)
-    target = Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=97,
-            hidden_size=H,
-            intermediate_size=64,
-            num_hidden_layers=8,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-        )
-    ).eval()
+    target = Qwen3ForCausalLM(qwen3_config()).eval()
     model = SpecBlockDraftModel(build_config(target.config)).eval()
     ids = torch.randint(0, 97, (1, 10))
     hidden = target(ids, output_hidden_states=True).hidden_states

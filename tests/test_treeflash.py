@@ -2,10 +2,9 @@ import json
 
 import pytest
 import torch
-from conftest import fit_recording_losses, make_drafter_dirs, make_tiny_target
+from conftest import fit_recording_losses, make_drafter_dirs, make_tiny_target, text_data
 from safetensors import safe_open
 
-from trainer.data.prepare import DataSpec, DraftData
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.training.treeflash import TreeFlashTraining
@@ -65,14 +64,7 @@ def test_reference_format_keys_and_round_trip(setup_dirs, tmp_path):
 
 
 def run_fit(setup_dirs, tmp_path, freeze: bool, steps: int = 12):
-    spec = DataSpec(
-        paths=[str(setup_dirs / "text")],
-        format="text",
-        tokenizer=str(setup_dirs / "target"),
-        max_length=128,
-        validation_fraction=0.2,
-    )
-    data = DraftData(spec, batch_size=2)
+    data = text_data(setup_dirs)
     module = TreeFlashTraining(
         target=str(setup_dirs / "target"),
         backbone=str(setup_dirs / "dflash"),

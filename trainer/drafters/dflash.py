@@ -33,24 +33,16 @@ On CPU, with a config-built Qwen3 target::
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers import PretrainedConfig, Qwen3Config
 from transformers.cache_utils import Cache
-from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.models.qwen3.modeling_qwen3 import (
-    Qwen3MLP,
-    Qwen3PreTrainedModel,
-    Qwen3RMSNorm,
-    Qwen3RotaryEmbedding,
-    rotate_half,
-)
+from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from trainer.drafters.common import DrafterDecoderLayer, SdpaDrafter, as_additive_mask, drafter_config, valid_layer_ids
 from trainer.errors import UserError
 
 DEFAULT_BLOCK_SIZE = 16
@@ -101,45 +93,18 @@ def build_config(
     if not 0 <= mask_token_id < text.vocab_size:
         raise UserError(f"mask_token_id {mask_token_id} is outside the target vocabulary 0..{text.vocab_size - 1}")
     if target_layer_ids is None:
-        layer_ids = _spread_target_layer_ids(num_target_layers, num_layers)
-    else:
-        layer_ids = [int(i) for i in target_layer_ids]
-    bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
-    if not layer_ids or bad:
-        raise UserError(
-            f"target_layer_ids {layer_ids} must be non-empty and within the target's layers 0..{num_target_layers - 1}"
-        )
-    if overrides.get("hidden_size", text.hidden_size) != text.hidden_size:
-        raise UserError(
-            f"the drafter's hidden_size must equal the target's ({text.hidden_size}): it reads the target's input "
-            f"embeddings and feeds the target's LM head; got hidden_size={overrides['hidden_size']}"
-        )
-
-    num_heads = text.num_attention_heads
-    fields: dict[str, Any] = {
-        "vocab_size": text.vocab_size,
-        "hidden_size": text.hidden_size,
-        "intermediate_size": text.intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or num_heads,
-        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // num_heads,
-        "hidden_act": getattr(text, "hidden_act", "silu"),
-        "max_position_embeddings": text.max_position_embeddings,
-        "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
-        "attention_bias": getattr(text, "attention_bias", False),
-        "tie_word_embeddings": False,
+        target_layer_ids = _spread_target_layer_ids(num_target_layers, num_layers)
+    fields = {
         # The reference format: top-level block size and target depth, the rest under `dflash_config`.
         "block_size": block_size,
         "num_target_layers": num_target_layers,
-        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": layer_ids},
+        "dflash_config": {
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": valid_layer_ids(target_layer_ids, num_target_layers),
+        },
         "architectures": ["DFlashDraftModel"],
     }
-    rope = getattr(text, "rope_parameters", None)
-    if rope:
-        fields["rope_parameters"] = copy.deepcopy(dict(rope))
-    fields.update(overrides)
-    return Qwen3Config(**fields)
+    return drafter_config(Qwen3Config, text, num_layers, fields, overrides)
 
 
 def _dflash_field(config: PretrainedConfig, name: str, default: Any = None) -> Any:
@@ -148,128 +113,13 @@ def _dflash_field(config: PretrainedConfig, name: str, default: Any = None) -> A
     return nested.get(name, getattr(config, name, default))
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``x`` (B, heads, T, D) with ``cos``/``sin`` (B, T, D) of the same T positions."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
-
-
-class DFlashAttention(nn.Module):
-    """Block queries attend to keys/values projected from the context followed by the block itself.
-
-    Unlike Qwen3 attention, the key/value sequence is longer than the query sequence: ``C`` context positions
-    come first, then the ``Q`` block positions. The context enters every layer as the same projected target
-    feature (it is not transformed by earlier drafter layers), which is why its keys can be cached across
-    drafting steps independently of the block.
-    """
-
-    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.num_heads = config.num_attention_heads
-        self.num_key_value_heads = config.num_key_value_heads
-        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        # Qwen3 normalises queries and keys per head, before RoPE.
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        context: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-    ) -> torch.Tensor:
-        # Shape: hidden_states (B, Q, H), context (B, C, H)
-        batch, q_len, _ = hidden_states.shape
-        kv_len = context.shape[1] + q_len
-        # Shape: (B, C + Q, H) - the context first, then the block, along the sequence axis
-        kv_input = torch.cat([context, hidden_states], dim=1)
-
-        # Shape: (B, heads, Q, D)
-        query = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, self.num_heads, self.head_dim))
-        query = query.transpose(1, 2)
-        # Shape: (B, kv_heads, C + Q, D)
-        key = self.k_norm(self.k_proj(kv_input).view(batch, kv_len, self.num_key_value_heads, self.head_dim))
-        key = key.transpose(1, 2)
-        value = self.v_proj(kv_input).view(batch, kv_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-
-        # Shape: cos, sin (B, C + Q, D). Keys get every position; queries only the block's, which come last.
-        cos, sin = position_embeddings
-        query = apply_rotary(query, cos[:, -q_len:], sin[:, -q_len:])
-        key = apply_rotary(key, cos, sin)
-
-        if cache is not None:
-            # Shape: (B, kv_heads, P + C + Q, D) with P the cached positions (context, and blocks not cropped yet)
-            key, value = cache.update(key, value, self.layer_idx)
-
-        # Grouped-query attention: each key/value head serves `num_key_value_groups` query heads.
-        key = key.repeat_interleave(self.num_key_value_groups, dim=1)
-        value = value.repeat_interleave(self.num_key_value_groups, dim=1)
-        # Shape: (B, heads, Q, D)
-        attn_output = F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            scale=self.scaling,
-        )
-        # Shape: (B, Q, heads * D) -> (B, Q, H)
-        attn_output = attn_output.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)
-        return self.o_proj(attn_output)
-
-
-class DFlashDecoderLayer(GradientCheckpointingLayer):
-    """A pre-norm Qwen3 decoder layer whose attention also reads the context; the context has no residual path."""
-
-    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
-        super().__init__()
-        self.self_attn = DFlashAttention(config, layer_idx)
-        self.mlp = Qwen3MLP(config)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        context: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-    ) -> torch.Tensor:
-        # Shape: (B, Q, H). Only the block is normalised here: the context was normalised once by `hidden_norm`.
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        hidden_states = self.self_attn(hidden_states, context, position_embeddings, attention_mask, cache)
-        hidden_states = residual + hidden_states
-
-        residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        return residual + hidden_states
-
-
-class DFlashDraftModel(Qwen3PreTrainedModel):
+class DFlashDraftModel(SdpaDrafter, Qwen3PreTrainedModel):
     """The DFlash drafter: ``fc`` + ``hidden_norm`` over target features, Qwen3-style layers, final ``norm``."""
 
     # The main input is the block's embeddings (taken from the target), not token ids: the drafter has no
     # embedding table for activation checkpointing to hook.
     main_input_name = "noise_embedding"
-    _no_split_modules: ClassVar[list[str]] = ["DFlashDecoderLayer"]
-    # The attention calls torch's SDPA directly (exact with an additive mask); other kernels are not wired in.
-    _supports_flash_attn = False
-    _supports_flex_attn = False
-    _supports_attention_backend = False
-    _can_record_outputs: ClassVar[dict] = {}
+    _no_split_modules: ClassVar[list[str]] = ["DrafterDecoderLayer"]
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
@@ -290,7 +140,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.mask_token_id: int | None = _dflash_field(config, "mask_token_id")
 
         hidden = config.hidden_size
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DrafterDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         # [H, n*H]: the concatenated target features of all n chosen layers to one context vector per position.
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
@@ -348,19 +198,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         # Shape: cos, sin (B, C + Q, D)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         if attention_mask is not None:
-            attention_mask = _as_additive(attention_mask, hidden_states.dtype)
+            attention_mask = as_additive_mask(attention_mask, hidden_states.dtype)
 
         for layer in self.layers:
             # Tensors that may need gradients go positionally, as gradient checkpointing requires.
-            hidden_states = layer(
-                hidden_states, context, position_embeddings, attention_mask=attention_mask, cache=past_key_values
-            )
+            hidden_states = layer(hidden_states, position_embeddings, attention_mask, past_key_values, context)
         return hidden_states if return_prenorm else self.norm(hidden_states)
-
-
-def _as_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean (True = attend) or float mask as an additive mask in ``dtype``, as SDPA requires."""
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-    # finfo(float32).min overflows to -inf in float16; clamp keeps it finite.
-    return mask.to(dtype).clamp_min(torch.finfo(dtype).min)

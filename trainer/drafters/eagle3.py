@@ -42,7 +42,6 @@ On CPU, with a config-built Qwen3 target::
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,6 +61,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from trainer.data.vocab import DraftVocab
+from trainer.drafters.common import SdpaDrafter, drafter_config
 from trainer.errors import UserError
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -104,37 +104,18 @@ def build_config(
             f"eagle_aux_hidden_state_layer_ids {aux} must be three HF hidden_states indices within "
             f"1..{num_target_layers} (the target's layer outputs)"
         )
-    if overrides.get("hidden_size", text.hidden_size) != text.hidden_size:
-        raise UserError(
-            f"the drafter's hidden_size must equal the target's ({text.hidden_size}): it reads the target's "
-            f"embeddings and hidden states; got hidden_size={overrides['hidden_size']}"
-        )
-    num_heads = text.num_attention_heads
     fields: dict[str, Any] = {
-        "vocab_size": text.vocab_size,
         "draft_vocab_size": draft_vocab_size,
-        "hidden_size": text.hidden_size,
-        "intermediate_size": text.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or num_heads,
-        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // num_heads,
-        "hidden_act": getattr(text, "hidden_act", "silu"),
-        "max_position_embeddings": text.max_position_embeddings,
-        "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux},
         "architectures": [ARCHITECTURE],
     }
     for token in ("bos_token_id", "eos_token_id", "pad_token_id"):
         fields[token] = getattr(text, token, None)
-    rope = getattr(text, "rope_parameters", None)
-    if rope:
-        fields["rope_parameters"] = copy.deepcopy(dict(rope))
-    fields.update(overrides)
-    return LlamaConfig(**fields)
+    return drafter_config(
+        LlamaConfig, text, 1, fields, overrides, reads="it reads the target's embeddings and hidden states"
+    )
 
 
 def legacy_rope_fields(rope_parameters: dict[str, Any]) -> dict[str, Any]:
@@ -221,16 +202,11 @@ class Eagle3DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class Eagle3DraftModel(LlamaPreTrainedModel):
+class Eagle3DraftModel(SdpaDrafter, LlamaPreTrainedModel):
     """The EAGLE-3 drafter: ``fc`` over three target features, ``midlayer``, ``norm``, draft-vocabulary ``lm_head``."""
 
     main_input_name = "input_embeds"
     _no_split_modules: ClassVar[list[str]] = ["Eagle3DecoderLayer"]
-    # The attention calls torch's SDPA directly with an additive mask; other kernels are not wired in.
-    _supports_flash_attn = False
-    _supports_flex_attn = False
-    _supports_attention_backend = False
-    _can_record_outputs: ClassVar[dict] = {}
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__(config)

@@ -51,7 +51,6 @@ call that starts with ``P`` cached keys lands at cache index ``P + n*K + k``), o
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -61,14 +60,9 @@ from torch.nn import functional as F
 from transformers import PretrainedConfig, Qwen3Config
 from transformers import initialization as init
 from transformers.cache_utils import Cache
-from transformers.models.qwen3.modeling_qwen3 import (
-    Qwen3MLP,
-    Qwen3PreTrainedModel,
-    Qwen3RMSNorm,
-    Qwen3RotaryEmbedding,
-)
+from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from trainer.drafters.dflash import _as_additive, apply_rotary
+from trainer.drafters.common import DrafterDecoderLayer, SdpaDrafter, as_additive_mask, drafter_config, valid_layer_ids
 from trainer.errors import UserError
 
 DEFAULT_BLOCK_SIZE = 4
@@ -115,46 +109,19 @@ def build_config(
         raise UserError(f"rank_hidden_size must be at least 1, got {rank_hidden_size}")
     if text.vocab_size < RANK_TOPK:
         raise UserError(f"the rank head reads the top-{RANK_TOPK} log-probs; the vocabulary has {text.vocab_size}")
-    layer_ids = eagle3_layer_ids(num_target_layers) if target_layer_ids is None else [int(i) for i in target_layer_ids]
-    bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
-    if not layer_ids or bad:
-        raise UserError(
-            f"target_layer_ids {layer_ids} must be non-empty and within the target's layers 0..{num_target_layers - 1}"
-        )
-    if "hidden_size" in overrides and overrides["hidden_size"] != text.hidden_size:
-        raise UserError(
-            f"the drafter's hidden_size must equal the target's ({text.hidden_size}): it reads the target's input "
-            f"embeddings and feeds the target's LM head; got hidden_size={overrides['hidden_size']}"
-        )
-
-    num_heads = text.num_attention_heads
-    fields: dict[str, Any] = {
-        "vocab_size": text.vocab_size,
-        "hidden_size": text.hidden_size,
-        "intermediate_size": text.intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or num_heads,
-        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // num_heads,
-        "hidden_act": getattr(text, "hidden_act", "silu"),
-        "max_position_embeddings": text.max_position_embeddings,
-        "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
-        "attention_bias": getattr(text, "attention_bias", False),
-        "tie_word_embeddings": False,
+    if target_layer_ids is None:
+        target_layer_ids = eagle3_layer_ids(num_target_layers)
+    fields = {
         "num_target_layers": num_target_layers,
         "specblock_config": {
             "block_size": block_size,
-            "target_layer_ids": layer_ids,
+            "target_layer_ids": valid_layer_ids(target_layer_ids, num_target_layers),
             "rank_class_bounds": list(RANK_CLASS_BOUNDS),
             "rank_hidden_size": rank_hidden_size,
         },
         "architectures": ["SpecBlockDraftModel"],
     }
-    rope = getattr(text, "rope_parameters", None)
-    if rope:
-        fields["rope_parameters"] = copy.deepcopy(dict(rope))
-    fields.update(overrides)
-    return Qwen3Config(**fields)
+    return drafter_config(Qwen3Config, text, num_layers, fields, overrides)
 
 
 # ---- attention patterns (pure functions; True = may attend) ---------------------------------------------------
@@ -216,60 +183,6 @@ def rank_features(normed_hidden: torch.Tensor, logprobs: torch.Tensor) -> torch.
 
 
 # ---- modules -----------------------------------------------------------------------------------------------------
-class SpecBlockAttention(nn.Module):
-    """Qwen3 self-attention over the block slots plus cached keys, with an explicit mask through SDPA."""
-
-    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_key_value_heads = config.num_key_value_heads
-        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor,
-        cache: Cache | None = None,
-    ) -> torch.Tensor:
-        # Shape: hidden_states (B, Q, H); attention_mask additive (B, 1, Q, P + Q)
-        batch, q_len, _ = hidden_states.shape
-        # Shape: (B, heads, Q, D), (B, kv_heads, Q, D)
-        query = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, self.num_heads, self.head_dim))
-        key = self.k_norm(self.k_proj(hidden_states).view(batch, q_len, self.num_key_value_heads, self.head_dim))
-        value = self.v_proj(hidden_states).view(batch, q_len, self.num_key_value_heads, self.head_dim)
-        cos, sin = position_embeddings
-        query = apply_rotary(query.transpose(1, 2), cos, sin)
-        key = apply_rotary(key.transpose(1, 2), cos, sin)
-        value = value.transpose(1, 2)
-        if cache is not None:
-            # Shape: (B, kv_heads, P + Q, D): rotated keys are cached, so a key keeps its position for good.
-            key, value = cache.update(key, value, self.layer_idx)
-        key = key.repeat_interleave(self.num_key_value_groups, dim=1)
-        value = value.repeat_interleave(self.num_key_value_groups, dim=1)
-        out = F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            scale=self.scaling,
-        )
-        # Shape: (B, Q, heads * D) -> (B, Q, H)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
-
-
 class LayerShift(nn.Linear):
     """``S_l``: ``h <- S_l(concat[h, shift(h)])``, ``shift(h)[k] = h[k-1]`` within a block, ``shift(h)[0] = h[0]``."""
 
@@ -280,34 +193,6 @@ class LayerShift(nn.Linear):
         # Shape: (B, N, K, H) -> (B, N, K, H)
         shifted = torch.cat([hidden[:, :, :1], hidden[:, :, :-1]], dim=2)
         return super().forward(torch.cat([hidden, shifted], dim=-1))
-
-
-class SpecBlockDecoderLayer(nn.Module):
-    """A pre-norm Qwen3 decoder layer over blocks of K slots; layers after the first open with a layer shift."""
-
-    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
-        super().__init__()
-        self.shift = LayerShift(config.hidden_size) if layer_idx > 0 else None
-        self.self_attn = SpecBlockAttention(config, layer_idx)
-        self.mlp = Qwen3MLP(config)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor,
-        cache: Cache | None = None,
-    ) -> torch.Tensor:
-        # Shape: (B, N, K, H)
-        if self.shift is not None:
-            hidden_states = self.shift(hidden_states)
-        b, n, k, h = hidden_states.shape
-        flat = hidden_states.reshape(b, n * k, h)
-        flat = flat + self.self_attn(self.input_layernorm(flat), position_embeddings, attention_mask, cache)
-        flat = flat + self.mlp(self.post_attention_layernorm(flat))
-        return flat.view(b, n, k, h)
 
 
 class RankHead(nn.Module):
@@ -322,16 +207,11 @@ class RankHead(nn.Module):
         return self.out(F.silu(self.up(features)))
 
 
-class SpecBlockDraftModel(Qwen3PreTrainedModel):
+class SpecBlockDraftModel(SdpaDrafter, Qwen3PreTrainedModel):
     """The SpecBlock drafter: condition/token/slot-query fusion, shifted Qwen3-style layers, ``norm``, rank head."""
 
     main_input_name = "condition"
-    _no_split_modules: ClassVar[list[str]] = ["SpecBlockDecoderLayer"]
-    # The attention calls torch's SDPA with an explicit mask; other kernels are not wired in.
-    _supports_flash_attn = False
-    _supports_flex_attn = False
-    _supports_attention_backend = False
-    _can_record_outputs: ClassVar[dict] = {}
+    _no_split_modules: ClassVar[list[str]] = ["DrafterDecoderLayer"]
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
@@ -349,7 +229,11 @@ class SpecBlockDraftModel(Qwen3PreTrainedModel):
         self.query_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.slot_queries = nn.Parameter(torch.empty(self.block_size, hidden))
         self.fuse = nn.Linear(3 * hidden, hidden, bias=False)
-        self.layers = nn.ModuleList(SpecBlockDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        # Layers after the first open with a layer shift.
+        self.layers = nn.ModuleList(
+            DrafterDecoderLayer(config, i, LayerShift(hidden) if i > 0 else None)
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rank_head = RankHead(
             hidden + RANK_TOPK + len(RANK_GAP_RANKS) + 2, int(spec["rank_hidden_size"]), len(self.rank_class_bounds) + 1
@@ -416,7 +300,7 @@ class SpecBlockDraftModel(Qwen3PreTrainedModel):
                 f"({n * k}, {cached + n * k}) for {n} blocks of {k} slots after {cached} cached keys"
             )
         dtype = self.fuse.weight.dtype
-        attention_mask = _as_additive(attention_mask, dtype)
+        attention_mask = as_additive_mask(attention_mask, dtype)
 
         size = (b, n, k, hidden)
         # Shape: (B, N, K, 3H) -> (B, N, K, H)

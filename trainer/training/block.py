@@ -1,6 +1,6 @@
-"""What DFlash and TreeFlash training share: the frozen target, block batches, the block forward, metrics.
+"""What DFlash and TreeFlash training share beyond the frozen target: block batches, the block forward, metrics.
 
-A subclass builds its drafter in ``build_drafter`` and defines ``training_loss`` / ``depth_metrics``. The
+A subclass builds its drafter in ``build_drafter`` and defines the steps and its ``depth_names``. The
 target runs inside the step when the batch comes without features (online) and is skipped when the batch
 was read from a feature cache (offline); its embedding and LM head are used either way.
 """
@@ -8,72 +8,37 @@ was read from a feature cache (offline); its embedding and LM head are used eith
 from __future__ import annotations
 
 from abc import abstractmethod
-from pathlib import Path
 
-import lightning as L
 import torch
 from rich.console import Console
 from rich.table import Table
 from transformers import PretrainedConfig
 
 from trainer.data.features import with_features
-from trainer.errors import UserError
-from trainer.export_util import save_hf_dir
 from trainer.losses import forward_kl_topk, topk_coverage, tvd_topk
-from trainer.optim import adamw_warmup_cosine
-from trainer.paths import project_path
-from trainer.target import Target, load_causal_lm
 from trainer.training.blocks import Blocks, block_attention_mask, make_blocks, sample_anchors, slot_weights
+from trainer.training.frozen_target import FrozenTargetTraining
 
 
-def check_drafter_fits(drafter: PretrainedConfig, target: PretrainedConfig, target_name: str) -> None:
-    """A drafter made for another target fails here with what differs, not deep inside a forward."""
-    dflash = drafter.dflash_config or {}
-    problems = []
-    if drafter.hidden_size != target.hidden_size:
-        problems.append(f"hidden size {drafter.hidden_size} vs the target's {target.hidden_size}")
-    layer_ids = dflash.get("target_layer_ids") or []
-    if layer_ids and max(layer_ids) >= target.num_hidden_layers:
-        problems.append(f"target layer ids {layer_ids} but the target has {target.num_hidden_layers} layers")
-    mask = dflash.get("mask_token_id")
-    if mask is None or not 0 <= mask < target.vocab_size:
-        problems.append(f"mask token id {mask} outside the target's vocabulary of {target.vocab_size}")
-    if problems:
-        raise UserError(f"the drafter does not fit the target '{target_name}': " + "; ".join(problems))
-
-
-class BlockDrafterTraining(L.LightningModule):
+class BlockDrafterTraining(FrozenTargetTraining):
     """Base of block-drafter LightningModules (see the subclasses for the recipe arguments)."""
 
     def __init__(self) -> None:
         # Subclasses call save_hyperparameters(); every argument below is read from self.hparams.
         super().__init__()
-        self.target: Target | None = None
-        self.drafter: torch.nn.Module | None = None
         self._depth_sums: dict[str, torch.Tensor] = {}
-
-    # ---- model --------------------------------------------------------------------------------------------
-    @abstractmethod
-    def build_drafter(self, target_config: PretrainedConfig) -> torch.nn.Module:
-        """The family's drafter for a target of ``target_config`` (new, or loaded from the recipe's checkpoint)."""
-
-    def configure_model(self) -> None:
-        if self.drafter is not None:
-            return
-        model = load_causal_lm(str(project_path(self.hparams.target)), self.hparams.target_dtype)
-        self.drafter = self.build_drafter(model.config)
-        check_drafter_fits(self.dflash.config, model.config, self.hparams.target)
-        self.target = Target(model, self.layer_ids)
-
-    @property
-    @abstractmethod
-    def layer_ids(self) -> list[int]:
-        """Target layer ids the drafter reads (HF ``hidden_states[l + 1]``)."""
 
     @property
     @abstractmethod
     def dflash(self) -> torch.nn.Module:
         """The module with the DFlash forward signature (the drafter itself, or its backbone)."""
+
+    def fit_problems(self, target: PretrainedConfig) -> list[str]:
+        problems = super().fit_problems(target)
+        mask = self.dflash.mask_token_id
+        if mask is None or not 0 <= mask < target.vocab_size:
+            problems.append(f"mask token id {mask} outside the target's vocabulary of {target.vocab_size}")
+        return problems
 
     # ---- batches ------------------------------------------------------------------------------------------
     def _blocks(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Blocks]:
@@ -166,12 +131,13 @@ class BlockDrafterTraining(L.LightningModule):
                 if depth > 0 and counts[depth] > 0:
                     self.log(f"val_depth/{key}/d{depth:02d}", value, sync_dist=True)
         if self.trainer.state.fn == "validate" and self.trainer.is_global_zero:
-            self.print_depth_table()
+            self.print_table()
 
     # The distributions whose per-depth metrics are tracked, in table order.
     depth_names: tuple[str, ...] = ()
 
-    def print_depth_table(self) -> None:
+    def print_table(self) -> None:
+        """Per-depth TVD and top-1/top-5 coverage of every tracked distribution."""
         names = self.depth_names
         table = self.depth_table()
         if not table:
@@ -187,42 +153,3 @@ class BlockDrafterTraining(L.LightningModule):
                 continue
             t.add_row(str(depth), *[f"{table[f'{n}/{s}'][depth]:.3f}" for n in names for s in ("tvd", "top1", "top5")])
         Console().print(t)
-
-    # ---- optimisation ---------------------------------------------------------------------------------------
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.drafter.parameters() if p.requires_grad]
-
-    def configure_optimizers(self):
-        params = self.trainable_parameters()
-        if not params:
-            raise UserError("nothing to train: every drafter parameter is frozen")
-        hp = self.hparams
-        return adamw_warmup_cosine(
-            params, hp.lr, hp.weight_decay, hp.warmup_steps, self.trainer.estimated_stepping_batches, hp.min_lr_ratio
-        )
-
-    def state_dict(self, *args, **kwargs):
-        # The frozen target is rebuilt from its path; checkpoints hold the drafter only.
-        return {k: v for k, v in super().state_dict(*args, **kwargs).items() if not k.startswith("target.")}
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        missing, unexpected = super().load_state_dict(state_dict, strict=False, assign=assign)
-        missing = [k for k in missing if not k.startswith("target.")]
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"checkpoint does not match the drafter: missing {missing}, unexpected {unexpected}")
-        return missing, unexpected
-
-    def export(self, model: torch.nn.Module) -> Path:
-        """Write the drafter as an HF directory (``export_dir`` or ``<run>/hf``)."""
-        out = Path(self.hparams.export_dir or Path(self.trainer.log_dir or ".") / "hf")
-        save_hf_dir(out, model.save_pretrained)
-        return out
-
-    def on_fit_start(self) -> None:
-        datamodule = self.trainer.datamodule
-        cache = getattr(datamodule, "feature_cache", None)
-        if cache is not None and cache.manifest["config"]["layers"] != self.layer_ids:
-            raise UserError(
-                f"the feature cache {cache.root} holds target layers {cache.manifest['config']['layers']}, "
-                f"the drafter reads {self.layer_ids}; rebuild it with trainer data cache --layers '{self.layer_ids}'"
-            )

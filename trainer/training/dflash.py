@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from transformers import PretrainedConfig
+from transformers import PreTrainedModel
 
 from trainer.drafters.dflash import DFlashDraftModel, build_config
 from trainer.errors import UserError
@@ -32,14 +32,9 @@ class DFlashTraining(BlockDrafterTraining):
         mask_token_id: the MASK token; default the tokenizer's mask token of the target directory.
         intermediate_size: drafter MLP width; default the target's.
         init_from: start from this DFlash checkpoint directory instead of a random init.
-        target_dtype: the target's compute dtype.
-        topk: teacher tokens per position (online features; offline takes the cache's).
-        lr: peak AdamW learning rate.
-        weight_decay: AdamW weight decay on matrices.
-        warmup_steps: linear warm-up steps.
-        min_lr_ratio: cosine floor as a fraction of ``lr``.
-        seed: anchor sampling seed (anchors are a function of seed and step, so a resumed run draws the same).
-        export_dir: HF directory written at the end of fit; default ``<run>/hf``.
+        seed: anchor sampling seed.
+
+    The other arguments: see :class:`~trainer.training.frozen_target.FrozenTargetTraining`.
     """
 
     def __init__(
@@ -65,15 +60,13 @@ class DFlashTraining(BlockDrafterTraining):
         super().__init__()
         self.save_hyperparameters()
 
+    family = "DFlash"
     depth_names = ("dflash",)
 
-    def build_drafter(self, target_config: PretrainedConfig) -> DFlashDraftModel:
+    def build_drafter(self, target: PreTrainedModel) -> DFlashDraftModel:
         hp = self.hparams
         if hp.init_from:
-            path = project_path(hp.init_from)
-            if not (path / "config.json").is_file():
-                raise UserError(f"model.init_from: no DFlash checkpoint at {path}")
-            return DFlashDraftModel.from_pretrained(str(path), dtype=torch.float32)
+            return self.load_drafter(DFlashDraftModel)
         mask_id = hp.mask_token_id
         if mask_id is None:
             from transformers import AutoTokenizer
@@ -82,12 +75,8 @@ class DFlashTraining(BlockDrafterTraining):
             if mask_id is None:
                 raise UserError("the target's tokenizer has no mask token; set model.mask_token_id")
         overrides = {"intermediate_size": hp.intermediate_size} if hp.intermediate_size else {}
-        config = build_config(target_config, hp.num_layers, hp.block_size, mask_id, **overrides)
+        config = build_config(target.config, hp.num_layers, hp.block_size, mask_id, **overrides)
         return DFlashDraftModel(config)
-
-    @property
-    def layer_ids(self) -> list[int]:
-        return list(self.drafter.target_layer_ids)
 
     @property
     def dflash(self) -> DFlashDraftModel:
@@ -115,8 +104,3 @@ class DFlashTraining(BlockDrafterTraining):
         loss, logits, blocks, t_ids, t_lp = self._slot_losses(batch)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         self.accumulate_depth_metrics("dflash", logits, blocks, t_ids, t_lp)
-
-    def on_fit_end(self) -> None:
-        if self.trainer.is_global_zero:
-            self.print_depth_table()
-            print(f"DFlash drafter -> {self.export(self.drafter)}")

@@ -30,25 +30,20 @@ On CPU with the shipped tiny target::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-import lightning as L
 import torch
 from rich.console import Console
 from rich.table import Table
 from torch.utils.data import Dataset
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from trainer.data.features import with_features
 from trainer.data.pack import packed_attention_mask
 from trainer.data.vocab import DraftVocab
 from trainer.drafters.eagle3 import Eagle3DraftModel, build_config
 from trainer.errors import UserError
-from trainer.export_util import save_hf_dir
 from trainer.losses import topk_coverage
-from trainer.optim import adamw_warmup_cosine
-from trainer.paths import project_path
-from trainer.target import Target, load_causal_lm
+from trainer.training.frozen_target import FrozenTargetTraining
 
 
 @dataclass
@@ -141,21 +136,7 @@ def loss_token_counts(dataset: Dataset, vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def check_drafter_fits(drafter: PretrainedConfig, target: PretrainedConfig, target_name: str) -> None:
-    """An EAGLE-3 drafter made for another target fails here with what differs, not deep inside a forward."""
-    problems = []
-    if drafter.hidden_size != target.hidden_size:
-        problems.append(f"hidden size {drafter.hidden_size} vs the target's {target.hidden_size}")
-    if drafter.vocab_size != target.vocab_size:
-        problems.append(f"vocabulary {drafter.vocab_size} vs the target's {target.vocab_size}")
-    aux = drafter.eagle_config["eagle_aux_hidden_state_layer_ids"]
-    if max(aux) > target.num_hidden_layers:
-        problems.append(f"hidden_states {aux} but the target has {target.num_hidden_layers} layers")
-    if problems:
-        raise UserError(f"the EAGLE-3 drafter does not fit the target '{target_name}': " + "; ".join(problems))
-
-
-class Eagle3Training(L.LightningModule):
+class Eagle3Training(FrozenTargetTraining):
     """Trains an EAGLE-3 drafter against a frozen target with the training-time-test unroll.
 
     Args:
@@ -166,14 +147,10 @@ class Eagle3Training(L.LightningModule):
         intermediate_size: the drafter's MLP width; default the target's.
         init_lm_head: start ``lm_head`` from the target's LM-head rows of the draft vocabulary.
         init_from: continue from this EAGLE-3 HF directory (its draft vocabulary is kept).
-        target_dtype: the target's compute dtype.
-        topk: teacher tokens per position (online features; offline takes the cache's).
-        lr: peak AdamW learning rate.
-        weight_decay: AdamW weight decay on matrices.
-        warmup_steps: linear warm-up steps.
-        min_lr_ratio: cosine floor as a fraction of ``lr``.
         export_dir: HF directory (SGLang ``LlamaForCausalLMEagle3`` layout) written at the end of fit; default
             ``<run>/hf``.
+
+    The other arguments: see :class:`~trainer.training.frozen_target.FrozenTargetTraining`.
     """
 
     def __init__(
@@ -197,32 +174,29 @@ class Eagle3Training(L.LightningModule):
         if ttt_steps < 1:
             raise UserError(f"model.ttt_steps must be at least 1, got {ttt_steps}")
         self.save_hyperparameters()
-        self.target: Target | None = None
-        self.drafter: Eagle3DraftModel | None = None
         self._step_sums: dict[str, torch.Tensor] = {}
 
+    family = "EAGLE-3"
+
     # ---- model --------------------------------------------------------------------------------------------
-    def configure_model(self) -> None:
-        if self.drafter is not None:
-            return
+    def build_drafter(self, target: PreTrainedModel) -> Eagle3DraftModel:
         hp = self.hparams
-        model = load_causal_lm(str(project_path(hp.target)), hp.target_dtype)
         if hp.init_from:
-            path = project_path(hp.init_from)
-            if not (path / "config.json").is_file():
-                raise UserError(f"model.init_from: no EAGLE-3 checkpoint at {path}")
-            drafter = Eagle3DraftModel.from_pretrained(str(path), dtype=torch.float32)
-            check_drafter_fits(drafter.config, model.config, hp.target)
-        else:
-            overrides = {"intermediate_size": hp.intermediate_size} if hp.intermediate_size else {}
-            drafter = Eagle3DraftModel(build_config(model.config, hp.draft_vocab_size, **overrides))
-            drafter.set_draft_vocab(self._training_vocab(model.config.vocab_size))
-            if hp.init_lm_head:
-                with torch.no_grad():
-                    rows = drafter.to_target(torch.arange(hp.draft_vocab_size))
-                    drafter.lm_head.weight.copy_(model.get_output_embeddings().weight[rows].float())
-        self.drafter = drafter
-        self.target = Target(model, drafter.target_layer_ids)
+            return self.load_drafter(Eagle3DraftModel)
+        overrides = {"intermediate_size": hp.intermediate_size} if hp.intermediate_size else {}
+        drafter = Eagle3DraftModel(build_config(target.config, hp.draft_vocab_size, **overrides))
+        drafter.set_draft_vocab(self._training_vocab(target.config.vocab_size))
+        if hp.init_lm_head:
+            with torch.no_grad():
+                rows = drafter.to_target(torch.arange(hp.draft_vocab_size))
+                drafter.lm_head.weight.copy_(target.get_output_embeddings().weight[rows].float())
+        return drafter
+
+    def fit_problems(self, target: PretrainedConfig) -> list[str]:
+        problems = super().fit_problems(target)
+        if self.drafter.config.vocab_size != target.vocab_size:
+            problems.append(f"vocabulary {self.drafter.config.vocab_size} vs the target's {target.vocab_size}")
+        return problems
 
     def _training_vocab(self, vocab_size: int) -> DraftVocab:
         """The draft vocabulary of the training rows the attached datamodule serves."""
@@ -236,11 +210,6 @@ class Eagle3Training(L.LightningModule):
         # so building the loader here neither fails nor moves a resumed run's position.
         counts = loss_token_counts(datamodule.train_dataloader().dataset, vocab_size)
         return DraftVocab.from_counts(counts, self.hparams.draft_vocab_size)
-
-    @property
-    def layer_ids(self) -> list[int]:
-        """Target layer ids the drafter reads (HF ``hidden_states[l + 1]``)."""
-        return self.drafter.target_layer_ids
 
     # ---- the unroll ---------------------------------------------------------------------------------------
     def unroll(self, batch: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[TTTStep]]:
@@ -331,9 +300,10 @@ class Eagle3Training(L.LightningModule):
             for i, value in enumerate(table.get(stat, [])):
                 self.log(f"val_step/{stat}/s{i}", value, sync_dist=True)
         if self.trainer.state.fn == "validate" and self.trainer.is_global_zero:
-            self.print_step_table()
+            self.print_table()
 
-    def print_step_table(self) -> None:
+    def print_table(self) -> None:
+        """Per unrolled step: top-1/top-5 agreement with the target and KL to it."""
         table = self.step_table()
         if not table:
             return
@@ -350,41 +320,3 @@ class Eagle3Training(L.LightningModule):
                 str(int(count)),
             )
         Console().print(t)
-
-    # ---- optimisation, checkpoints, export ----------------------------------------------------------------
-    def configure_optimizers(self):
-        hp = self.hparams
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        return adamw_warmup_cosine(
-            params, hp.lr, hp.weight_decay, hp.warmup_steps, self.trainer.estimated_stepping_batches, hp.min_lr_ratio
-        )
-
-    def state_dict(self, *args, **kwargs):
-        # The frozen target is rebuilt from its path; checkpoints hold the drafter (with its vocabulary) only.
-        return {k: v for k, v in super().state_dict(*args, **kwargs).items() if not k.startswith("target.")}
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        missing, unexpected = super().load_state_dict(state_dict, strict=False, assign=assign)
-        missing = [k for k in missing if not k.startswith("target.")]
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"checkpoint does not match the drafter: missing {missing}, unexpected {unexpected}")
-        return missing, unexpected
-
-    def on_fit_start(self) -> None:
-        cache = getattr(self.trainer.datamodule, "feature_cache", None)
-        if cache is not None and cache.manifest["config"]["layers"] != self.layer_ids:
-            raise UserError(
-                f"the feature cache {cache.root} holds target layers {cache.manifest['config']['layers']}, "
-                f"the drafter reads {self.layer_ids}; rebuild it with trainer data cache --layers '{self.layer_ids}'"
-            )
-
-    def export(self) -> Path:
-        """Write the drafter as an HF directory (``export_dir`` or ``<run>/hf``)."""
-        out = Path(self.hparams.export_dir or Path(self.trainer.log_dir or ".") / "hf")
-        save_hf_dir(out, self.drafter.save_pretrained)
-        return out
-
-    def on_fit_end(self) -> None:
-        if self.trainer.is_global_zero:
-            self.print_step_table()
-            print(f"EAGLE-3 drafter -> {self.export()}")

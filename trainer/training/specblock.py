@@ -26,13 +26,11 @@ Recipe ``recipes/specblock_tiny.yaml`` trains on the shipped tiny target; on CPU
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-import lightning as L
 import torch
 from rich.console import Console
 from rich.table import Table
-from transformers import DynamicCache, PretrainedConfig
+from transformers import DynamicCache, PreTrainedModel
 
 from trainer.data.features import with_features
 from trainer.drafters.specblock import (
@@ -44,12 +42,9 @@ from trainer.drafters.specblock import (
     token_rank,
 )
 from trainer.errors import UserError
-from trainer.export_util import save_hf_dir
 from trainer.losses import forward_kl_topk, tvd_topk
-from trainer.optim import adamw_warmup_cosine
-from trainer.paths import project_path
-from trainer.target import Target, load_causal_lm
 from trainer.training.blocks import sample_anchors
+from trainer.training.frozen_target import FrozenTargetTraining
 
 
 # ---- chains (pure functions) -------------------------------------------------------------------------------------
@@ -116,7 +111,7 @@ class BlockResult:
     teacher_lp: torch.Tensor
 
 
-class SpecBlockTraining(L.LightningModule):
+class SpecBlockTraining(FrozenTargetTraining):
     """Trains a SpecBlock drafter against a frozen target.
 
     Args:
@@ -131,14 +126,9 @@ class SpecBlockTraining(L.LightningModule):
         intermediate_size: drafter MLP width; default the target's.
         rank_hidden_size: hidden width of the rank head's MLP.
         init_from: continue from this SpecBlock HF directory instead of a random init.
-        target_dtype: the target's compute dtype.
-        topk: teacher tokens per position (online features; offline takes the cache's).
-        lr: peak AdamW learning rate.
-        weight_decay: AdamW weight decay on matrices.
-        warmup_steps: linear warm-up steps.
-        min_lr_ratio: cosine floor as a fraction of ``lr``.
-        seed: anchor and launch-slot sampling seed (a function of seed and step, so a resumed run draws the same).
-        export_dir: HF directory written at the end of fit; default ``<run>/hf``.
+        seed: anchor and launch-slot sampling seed.
+
+    The other arguments: see :class:`~trainer.training.frozen_target.FrozenTargetTraining`.
     """
 
     def __init__(
@@ -171,43 +161,20 @@ class SpecBlockTraining(L.LightningModule):
         if max_anchors < 1:
             raise UserError(f"model.max_anchors must be at least 1, got {max_anchors}")
         self.save_hyperparameters()
-        self.target: Target | None = None
-        self.drafter: SpecBlockDraftModel | None = None
         self._sums: dict[str, torch.Tensor] = {}
 
+    family = "SpecBlock"
+
     # ---- model --------------------------------------------------------------------------------------------
-    def build_drafter(self, target_config: PretrainedConfig) -> SpecBlockDraftModel:
+    def build_drafter(self, target: PreTrainedModel) -> SpecBlockDraftModel:
         hp = self.hparams
         if hp.init_from:
-            path = project_path(hp.init_from)
-            if not (path / "config.json").is_file():
-                raise UserError(f"model.init_from: no SpecBlock checkpoint at {path}")
-            return SpecBlockDraftModel.from_pretrained(str(path), dtype=torch.float32)
+            return self.load_drafter(SpecBlockDraftModel)
         overrides = {"intermediate_size": hp.intermediate_size} if hp.intermediate_size else {}
         config = build_config(
-            target_config, hp.num_layers, hp.block_size, hp.target_layer_ids, hp.rank_hidden_size, **overrides
+            target.config, hp.num_layers, hp.block_size, hp.target_layer_ids, hp.rank_hidden_size, **overrides
         )
         return SpecBlockDraftModel(config)
-
-    def configure_model(self) -> None:
-        if self.drafter is not None:
-            return
-        model = load_causal_lm(str(project_path(self.hparams.target)), self.hparams.target_dtype)
-        drafter = self.build_drafter(model.config)
-        text = model.config.get_text_config()
-        problems = []
-        if drafter.config.hidden_size != text.hidden_size:
-            problems.append(f"hidden size {drafter.config.hidden_size} vs the target's {text.hidden_size}")
-        if max(drafter.target_layer_ids) >= text.num_hidden_layers:
-            problems.append(f"target layer ids {drafter.target_layer_ids}, the target has {text.num_hidden_layers}")
-        if problems:
-            raise UserError(f"the drafter does not fit the target '{self.hparams.target}': " + "; ".join(problems))
-        self.drafter = drafter
-        self.target = Target(model, drafter.target_layer_ids)
-
-    @property
-    def layer_ids(self) -> list[int]:
-        return list(self.drafter.target_layer_ids)
 
     # ---- the unroll ---------------------------------------------------------------------------------------
     def _generator(self) -> torch.Generator:
@@ -433,9 +400,10 @@ class SpecBlockTraining(L.LightningModule):
                     if table["count"][block][slot] > 0:
                         self.log(f"val_depth/{stat}/b{block + 1}s{slot}", value, sync_dist=True)
         if self.trainer.state.fn == "validate" and self.trainer.is_global_zero:
-            self.print_depth_table()
+            self.print_table()
 
-    def print_depth_table(self) -> None:
+    def print_table(self) -> None:
+        """Per (block, slot): share of valid slots, top-1 agreement, TVD and rank-head accuracy."""
         table = self.depth_table()
         if not table:
             return
@@ -454,41 +422,3 @@ class SpecBlockTraining(L.LightningModule):
                     str(int(count)),
                 )
         Console().print(t)
-
-    # ---- optimisation, checkpoints, export -----------------------------------------------------------------
-    def configure_optimizers(self):
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        hp = self.hparams
-        return adamw_warmup_cosine(
-            params, hp.lr, hp.weight_decay, hp.warmup_steps, self.trainer.estimated_stepping_batches, hp.min_lr_ratio
-        )
-
-    def state_dict(self, *args, **kwargs):
-        # The frozen target is rebuilt from its path; checkpoints hold the drafter only.
-        return {k: v for k, v in super().state_dict(*args, **kwargs).items() if not k.startswith("target.")}
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        missing, unexpected = super().load_state_dict(state_dict, strict=False, assign=assign)
-        missing = [k for k in missing if not k.startswith("target.")]
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"checkpoint does not match the drafter: missing {missing}, unexpected {unexpected}")
-        return missing, unexpected
-
-    def on_fit_start(self) -> None:
-        cache = getattr(self.trainer.datamodule, "feature_cache", None)
-        if cache is not None and cache.manifest["config"]["layers"] != self.layer_ids:
-            raise UserError(
-                f"the feature cache {cache.root} holds target layers {cache.manifest['config']['layers']}, "
-                f"the drafter reads {self.layer_ids}; rebuild it with trainer data cache --layers '{self.layer_ids}'"
-            )
-
-    def export(self) -> Path:
-        """Write the drafter as an HF directory (``export_dir`` or ``<run>/hf``)."""
-        out = Path(self.hparams.export_dir or Path(self.trainer.log_dir or ".") / "hf")
-        save_hf_dir(out, self.drafter.save_pretrained)
-        return out
-
-    def on_fit_end(self) -> None:
-        if self.trainer.is_global_zero:
-            self.print_depth_table()
-            print(f"SpecBlock drafter -> {self.export()}")

@@ -11,7 +11,7 @@ end. The README's main job, on CPU::
 from __future__ import annotations
 
 import torch
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
@@ -30,14 +30,10 @@ class TreeFlashTraining(BlockDrafterTraining):
         freeze_backbone: train only the approximator (the paper finds this about equal to full fine-tuning).
         gamma: depth decay of the loss weights, ``w_k = exp(-(k-1)/gamma)``.
         max_anchors: blocks per training row.
-        target_dtype: the target's compute dtype.
-        topk: teacher tokens per position (online features; offline takes the cache's).
-        lr: peak AdamW learning rate.
-        weight_decay: AdamW weight decay on matrices.
-        warmup_steps: linear warm-up steps.
-        min_lr_ratio: cosine floor as a fraction of ``lr``.
         seed: anchor sampling seed.
         export_dir: HF directory (reference TreeFlash format) written at the end of fit; default ``<run>/hf``.
+
+    The other arguments: see :class:`~trainer.training.frozen_target.FrozenTargetTraining`.
     """
 
     def __init__(
@@ -59,9 +55,10 @@ class TreeFlashTraining(BlockDrafterTraining):
         super().__init__()
         self.save_hyperparameters()
 
+    family = "TreeFlash"
     depth_names = ("dflash", "treeflash")
 
-    def build_drafter(self, target_config: PretrainedConfig) -> TreeFlashDraftModel:
+    def build_drafter(self, target: PreTrainedModel) -> TreeFlashDraftModel:
         source = str(project_path(self.hparams.backbone))
         try:
             architectures = PretrainedConfig.get_config_dict(source)[0].get("architectures") or []
@@ -104,8 +101,3 @@ class TreeFlashTraining(BlockDrafterTraining):
         self.log("val/kl", loss, prog_bar=True, sync_dist=True)
         self.accumulate_depth_metrics("treeflash", corrected, blocks, t_ids, t_lp)
         self.accumulate_depth_metrics("dflash", self.logits(normed), blocks, t_ids, t_lp)
-
-    def on_fit_end(self) -> None:
-        if self.trainer.is_global_zero:
-            self.print_depth_table()
-            print(f"TreeFlash drafter -> {self.export(self.drafter)}")

@@ -1,0 +1,204 @@
+"""What the drafters share: config fields copied from the target, their checks, masks, a Qwen3 decoder layer.
+
+Every drafter reads the target's input embeddings and hidden states, so its width, heads, RoPE, vocabulary and
+norm eps are the target's (:func:`drafter_config`); and every drafter's attention calls torch's SDPA itself with
+an explicit mask (:class:`SdpaDrafter`, :func:`as_additive_mask`). DFlash and SpecBlock share one Qwen3 decoder
+layer (:class:`DrafterDecoderLayer`), whose attention keys may be prefixed by a context that has no query of its own.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import PretrainedConfig, Qwen3Config
+from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, rotate_half
+
+from trainer.errors import UserError
+
+ConfigT = TypeVar("ConfigT", bound=PretrainedConfig)
+
+# Why the hidden size is the target's, for a drafter that draws its inputs from the target's embedding and its
+# logits from the target's LM head.
+READS_EMBEDDINGS_FEEDS_LM_HEAD = "it reads the target's input embeddings and feeds the target's LM head"
+
+
+def drafter_config(
+    config_class: type[ConfigT],
+    text: PretrainedConfig,
+    num_layers: int,
+    fields: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    reads: str = READS_EMBEDDINGS_FEEDS_LM_HEAD,
+) -> ConfigT:
+    """A ``config_class`` with the target's width, heads, RoPE, vocabulary and norm eps, then the drafter's own
+    ``fields``, then the caller's ``overrides``.
+
+    ``text`` is the target's text config. An override of ``hidden_size`` that differs from the target's is refused
+    (``reads`` says why, in the error); any other field may be overridden.
+    """
+    if overrides.get("hidden_size", text.hidden_size) != text.hidden_size:
+        raise UserError(
+            f"the drafter's hidden_size must equal the target's ({text.hidden_size}): {reads}; "
+            f"got hidden_size={overrides['hidden_size']}"
+        )
+    num_heads = text.num_attention_heads
+    copied: dict[str, Any] = {
+        "vocab_size": text.vocab_size,
+        "hidden_size": text.hidden_size,
+        "intermediate_size": text.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or num_heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // num_heads,
+        "hidden_act": getattr(text, "hidden_act", "silu"),
+        "max_position_embeddings": text.max_position_embeddings,
+        "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
+        "attention_bias": getattr(text, "attention_bias", False),
+        "tie_word_embeddings": False,
+    }
+    rope = getattr(text, "rope_parameters", None)
+    if rope:
+        copied["rope_parameters"] = copy.deepcopy(dict(rope))
+    return config_class(**{**copied, **fields, **overrides})
+
+
+def valid_layer_ids(layer_ids: Sequence[int], num_target_layers: int) -> list[int]:
+    """``layer_ids`` as ints, refused unless non-empty and within the target's layers ``0..L-1``."""
+    ids = [int(i) for i in layer_ids]
+    if not ids or any(not 0 <= i < num_target_layers for i in ids):
+        raise UserError(
+            f"target_layer_ids {ids} must be non-empty and within the target's layers 0..{num_target_layers - 1}"
+        )
+    return ids
+
+
+def as_additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean (True = attend) or float mask as an additive mask in ``dtype``, as SDPA requires."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    # finfo(float32).min overflows to -inf in float16; clamp keeps it finite.
+    return mask.to(dtype).clamp_min(torch.finfo(dtype).min)
+
+
+class SdpaDrafter:
+    """HF class attributes of a drafter (listed before its ``PreTrainedModel`` base) whose attention calls torch's
+    SDPA directly with an explicit mask: other attention kernels are not wired in, no outputs are recorded."""
+
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _can_record_outputs: ClassVar[dict] = {}
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x`` (B, heads, T, D) with ``cos``/``sin`` (B, T, D) of the same T positions."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class QKNormAttention(nn.Module):
+    """Qwen3 attention (per-head q/k RMSNorm before RoPE, grouped-query) over an explicit mask through SDPA.
+
+    With a ``context``, keys and values are projected from ``concat[context, hidden_states]``: the ``C`` context
+    positions come first and have no query of their own (DFlash feeds the same projected target feature to every
+    layer this way, so its keys can be cached independently of the block). Without one it is self-attention.
+    """
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        # Qwen3 normalises queries and keys per head, before RoPE.
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        """Shape: hidden_states (B, Q, H), context (B, C, H) or None (C = 0), cos/sin (B, C + Q, D), attention_mask
+        additive (B, 1, Q, P + C + Q) with P the cached positions, or None (every key) → (B, Q, H)."""
+        batch, q_len, _ = hidden_states.shape
+        # Shape: (B, C + Q, H)
+        kv_input = hidden_states if context is None else torch.cat([context, hidden_states], dim=1)
+        kv_len = kv_input.shape[1]
+        # Shape: (B, heads, Q, D), (B, kv_heads, C + Q, D)
+        query = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, self.num_heads, self.head_dim))
+        key = self.k_norm(self.k_proj(kv_input).view(batch, kv_len, self.num_key_value_heads, self.head_dim))
+        value = self.v_proj(kv_input).view(batch, kv_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        # Keys get every position; queries only the last Q, which are theirs.
+        cos, sin = position_embeddings
+        query = apply_rotary(query.transpose(1, 2), cos[:, -q_len:], sin[:, -q_len:])
+        key = apply_rotary(key.transpose(1, 2), cos, sin)
+        if cache is not None:
+            # Shape: (B, kv_heads, P + C + Q, D): rotated keys are cached, so a key keeps its position for good.
+            key, value = cache.update(key, value, self.layer_idx)
+        # Grouped-query attention: each key/value head serves `num_key_value_groups` query heads.
+        key = key.repeat_interleave(self.num_key_value_groups, dim=1)
+        value = value.repeat_interleave(self.num_key_value_groups, dim=1)
+        out = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            scale=self.scaling,
+        )
+        # Shape: (B, Q, heads * D) -> (B, Q, H)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
+
+
+class DrafterDecoderLayer(GradientCheckpointingLayer):
+    """A pre-norm Qwen3 decoder layer over a drafter's query positions; its attention may also read a context.
+
+    ``shift``, when given, maps the layer's input first (SpecBlock's layer shift, which mixes the slots of a
+    block); it is registered before the other submodules, the order of the checkpoints and of initialisation.
+    """
+
+    def __init__(self, config: Qwen3Config, layer_idx: int, shift: nn.Module | None = None) -> None:
+        super().__init__()
+        self.shift = shift
+        self.self_attn = QKNormAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        context: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Shape: hidden_states (B, ..., H) whose middle axes are the Q query positions in order (DFlash (B, Q, H),
+        SpecBlock (B, N, K, H)) → the same shape; the other inputs as :meth:`QKNormAttention.forward` takes them.
+        Only the queries take the residual path and the norms: a context was normalised by the caller."""
+        if self.shift is not None:
+            hidden_states = self.shift(hidden_states)
+        # Shape: (B, Q, H)
+        flat = hidden_states.flatten(1, -2)
+        flat = flat + self.self_attn(self.input_layernorm(flat), context, position_embeddings, attention_mask, cache)
+        flat = flat + self.mlp(self.post_attention_layernorm(flat))
+        return flat.view(hidden_states.shape)

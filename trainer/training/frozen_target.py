@@ -1,0 +1,139 @@
+"""What every drafter LightningModule shares: the frozen target, checkpoints without it, the optimiser, export.
+
+A subclass builds its drafter in ``build_drafter``. ``configure_model`` loads the target from its path, checks
+that the drafter fits it and wraps it as a frozen :class:`~trainer.target.Target` that returns the drafter's
+layers; checkpoints hold the drafter only, and the end of fit writes the drafter as an HF directory.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from pathlib import Path
+from typing import Any, ClassVar
+
+import lightning as L
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+from trainer.errors import UserError
+from trainer.export_util import save_hf_dir
+from trainer.optim import adamw_warmup_cosine
+from trainer.paths import project_path
+from trainer.target import Target, load_causal_lm
+
+
+class FrozenTargetTraining(L.LightningModule):
+    """Base of the LightningModules that train a drafter against a frozen target.
+
+    Each subclass keeps its own typed ``__init__`` (the recipe schema) and calls ``save_hyperparameters()``; the
+    arguments below are read from ``self.hparams`` and mean the same in every family.
+
+    Args:
+        target: HF causal LM (directory or hub id) the drafter is trained against.
+        target_dtype: the target's compute dtype.
+        topk: teacher tokens per position (online features; offline takes the cache's).
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay on matrices.
+        warmup_steps: linear warm-up steps.
+        min_lr_ratio: cosine floor as a fraction of ``lr``.
+        seed: sampling seed (draws are a function of seed and step, so a resumed run draws the same).
+        export_dir: HF directory written at the end of fit; default ``<run>/hf``.
+    """
+
+    # The drafter family as messages name it ("DFlash", "EAGLE-3", ...).
+    family: ClassVar[str]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.target: Target | None = None
+        self.drafter: torch.nn.Module | None = None
+
+    # ---- model --------------------------------------------------------------------------------------------
+    @abstractmethod
+    def build_drafter(self, target: PreTrainedModel) -> torch.nn.Module:
+        """The family's drafter for ``target`` (new, or loaded from the recipe's checkpoint)."""
+
+    def configure_model(self) -> None:
+        if self.drafter is not None:
+            return
+        model = load_causal_lm(str(project_path(self.hparams.target)), self.hparams.target_dtype)
+        self.drafter = self.build_drafter(model)
+        self.check_drafter_fits(model.config)
+        self.target = Target(model, self.layer_ids)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """Target layer ids the drafter reads (HF ``hidden_states[l + 1]``)."""
+        return list(self.drafter.target_layer_ids)
+
+    def load_drafter(self, model_class: type[PreTrainedModel]) -> PreTrainedModel:
+        """The ``model_class`` drafter saved at ``init_from``, in float32."""
+        path = project_path(self.hparams.init_from)
+        if not (path / "config.json").is_file():
+            raise UserError(f"model.init_from: no {self.family} checkpoint at {path}")
+        return model_class.from_pretrained(str(path), dtype=torch.float32)
+
+    def fit_problems(self, target: PretrainedConfig) -> list[str]:
+        """What keeps the drafter from running on ``target`` (the target's text config); empty when it fits."""
+        problems = []
+        hidden_size = self.drafter.config.hidden_size
+        if hidden_size != target.hidden_size:
+            problems.append(f"hidden size {hidden_size} vs the target's {target.hidden_size}")
+        if max(self.layer_ids) >= target.num_hidden_layers:
+            problems.append(f"target layer ids {self.layer_ids} but the target has {target.num_hidden_layers} layers")
+        return problems
+
+    def check_drafter_fits(self, target_config: PretrainedConfig) -> None:
+        """A drafter made for another target fails here with what differs, not deep inside a forward."""
+        problems = self.fit_problems(target_config.get_text_config())
+        if problems:
+            raise UserError(
+                f"the {self.family} drafter does not fit the target '{self.hparams.target}': " + "; ".join(problems)
+            )
+
+    def on_fit_start(self) -> None:
+        cache = getattr(self.trainer.datamodule, "feature_cache", None)
+        if cache is not None and cache.manifest["config"]["layers"] != self.layer_ids:
+            raise UserError(
+                f"the feature cache {cache.root} holds target layers {cache.manifest['config']['layers']}, "
+                f"the drafter reads {self.layer_ids}; rebuild it with trainer data cache --layers '{self.layer_ids}'"
+            )
+
+    # ---- optimisation, checkpoints, export ----------------------------------------------------------------
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.drafter.parameters() if p.requires_grad]
+
+    def configure_optimizers(self) -> Any:
+        params = self.trainable_parameters()
+        if not params:
+            raise UserError("nothing to train: every drafter parameter is frozen")
+        hp = self.hparams
+        return adamw_warmup_cosine(
+            params, hp.lr, hp.weight_decay, hp.warmup_steps, self.trainer.estimated_stepping_batches, hp.min_lr_ratio
+        )
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # The frozen target is rebuilt from its path; checkpoints hold the drafter (buffers included) only.
+        return {k: v for k, v in super().state_dict(*args, **kwargs).items() if not k.startswith("target.")}
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        missing, unexpected = super().load_state_dict(state_dict, strict=False, assign=assign)
+        missing = [k for k in missing if not k.startswith("target.")]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"checkpoint does not match the drafter: missing {missing}, unexpected {unexpected}")
+        return missing, unexpected
+
+    def export(self) -> Path:
+        """Write the drafter as an HF directory (``export_dir`` or ``<run>/hf``)."""
+        out = Path(self.hparams.export_dir or Path(self.trainer.log_dir or ".") / "hf")
+        save_hf_dir(out, self.drafter.save_pretrained)
+        return out
+
+    @abstractmethod
+    def print_table(self) -> None:
+        """Print the table of the validation metrics gathered so far (nothing when there are none)."""
+
+    def on_fit_end(self) -> None:
+        if self.trainer.is_global_zero:
+            self.print_table()
+            print(f"{self.family} drafter -> {self.export()}")
