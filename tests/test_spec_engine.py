@@ -6,9 +6,9 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
 
-from tests.conftest import ROOT, TINY_TARGET
+from tests.conftest import ROOT, TINY_TARGET, qwen3_config
 from tests.test_spec_verify import chi2_pvalue
 from trainer.drafters.dflash import DFlashDraftModel, build_config
 from trainer.drafters.eagle3 import Eagle3DraftModel
@@ -120,16 +120,7 @@ def test_chain_matches_dflash_generate(shipped, monkeypatch):
 def small_vocab():
     """A random target over 12 tokens with moderately peaked distributions, and random drafters for it."""
     torch.manual_seed(3)
-    config = Qwen3Config(
-        vocab_size=12,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=False,
-    )
+    config = qwen3_config(4, vocab_size=12, tie_word_embeddings=False)
     target = Qwen3ForCausalLM(config).eval()
     with torch.no_grad():
         target.lm_head.weight.mul_(8)
