@@ -84,7 +84,7 @@ class TreeBuilder:
 
 
 def _chain(session: BlockDraftSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
-    depth = min(max_depth, budget)
+    depth = min(max_depth, budget, session.max_depth)
     with clock("draft"):
         logits = session.depth_logits(root, depth)
     with clock("tree"):
@@ -93,7 +93,7 @@ def _chain(session: BlockDraftSession, root: int, budget: int, max_depth: int, c
 
 def _ddtree(session: BlockDraftSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
     with clock("draft"):
-        logprobs = session.depth_logits(root, min(max_depth, budget)).log_softmax(-1)
+        logprobs = session.depth_logits(root, min(max_depth, budget, session.max_depth)).log_softmax(-1)
     with clock("tree"):
         return ddtree(logprobs, root, budget)
 
@@ -105,7 +105,7 @@ TREEFLASH_TOP_K = 16
 
 def _treeflash(session: TreeFlashSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
     with clock("draft"):
-        tables = session.transitions(root, min(max_depth, budget), TREEFLASH_TOP_M, TREEFLASH_TOP_K)
+        tables = session.transitions(root, min(max_depth, budget, session.max_depth), TREEFLASH_TOP_M, TREEFLASH_TOP_K)
     with clock("tree"):
         return treeflash(tables, root, budget)
 
@@ -303,6 +303,7 @@ class Step:
     accepted: int
     committed: int
     tree_size: int
+    tree_depth: int
     forwards: int
     seconds: dict[str, float]
 
@@ -406,7 +407,14 @@ def generate(
             past_len += len(path)
             tokens.extend(new)
         generation.steps.append(
-            Step(result.accepted, len(new), tree.size, session.forwards - forwards, dict(clock.seconds))
+            Step(
+                result.accepted,
+                len(new),
+                tree.size,
+                int(tree.depths().max()),
+                session.forwards - forwards,
+                dict(clock.seconds),
+            )
         )
     generation.decode_seconds = time.perf_counter() - start
     return generation
