@@ -115,3 +115,17 @@ def text_data(root: Path, max_length: int = 128) -> DraftData:
         validation_fraction=0.2,
     )
     return DraftData(spec, batch_size=2)
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson goodness of fit of ``counts`` to ``probs``, cells with tiny expectation pooled into one."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum()[None]])
+    exp = torch.cat([expected[big].double(), expected[~big].double().sum()[None]])
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.double), stat / 2))

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import yaml
+from conftest import make_tiny_target
 
-from tests.conftest import make_tiny_target
 from trainer.cli import main
 from trainer.drafters.dflash import DFlashDraftModel, build_config
 from trainer.drafters.treeflash import TreeFlashDraftModel

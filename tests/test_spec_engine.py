@@ -6,10 +6,9 @@ import time
 
 import pytest
 import torch
+from conftest import ROOT, TINY_TARGET, chi2_pvalue, qwen3_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
 
-from tests.conftest import ROOT, TINY_TARGET, qwen3_config
-from tests.test_spec_verify import chi2_pvalue
 from trainer.drafters.dflash import DFlashDraftModel, build_config
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.eagle3 import build_config as eagle3_config

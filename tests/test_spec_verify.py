@@ -2,24 +2,11 @@
 acceptance, warping, and KV compaction."""
 
 import torch
+from conftest import chi2_pvalue
 from transformers import DynamicCache
 
 from trainer.spec.tree import Tree
 from trainer.spec.verify import Sampling, accept, accept_greedy, compact_cache, tree_attention_mask
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson goodness of fit of ``counts`` to ``probs``, cells with tiny expectation pooled into one."""
-    n = counts.sum()
-    expected = probs * n
-    big = expected >= 5
-    obs = torch.cat([counts[big].double(), counts[~big].double().sum()[None]])
-    exp = torch.cat([expected[big].double(), expected[~big].double().sum()[None]])
-    if exp[-1] < 5:
-        obs, exp = obs[:-1], exp[:-1]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    dof = obs.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.double), stat / 2))
 
 
 def test_tree_mask_matches_sequential_decoding(tiny_qwen3):
