@@ -53,17 +53,20 @@ def main() -> None:
     # One prefill feeds the drafter session and the recycling table, as in the engine.
     cache = DynamicCache(config=target.config)
     out = target(input_ids=prompt[None], cache=cache, use_cache=True, output_hidden_states=True)
-    session = TreeFlashSession(drafter, target)
-    features = torch.cat([out.hidden_states[i + 1][0] for i in session.layer_ids], dim=-1)
-    session.start(prompt, features, out.logits[0])
-    recycling = RecyclingSession(target.config.vocab_size)
-    recycling.start(prompt, None, out.logits[0].float())
+    layer_ids = TreeFlashSession(drafter, target).layer_ids
+    features = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
     root = int(out.logits[0, -1].argmax())
     depth = drafter.block_size - 1
-    pending = session.pending
-    tables = session.transitions(root, depth, TREEFLASH_TOP_M, TREEFLASH_TOP_K)
-    session.pending, session.cache = pending, DynamicCache(config=drafter.model.config)
-    marginal = session.depth_logits(root, depth).log_softmax(-1)
+
+    def session() -> TreeFlashSession:
+        fresh = TreeFlashSession(drafter, target)
+        fresh.start(prompt, features, out.logits[0])
+        return fresh
+
+    tables = session().transitions(root, depth, TREEFLASH_TOP_M, TREEFLASH_TOP_K)
+    marginal = session().depth_logits(root, depth).log_softmax(-1)
+    recycling = RecyclingSession(target.config.vocab_size)
+    recycling.start(prompt, None, out.logits[0].float())
     past = prompt.numel()
 
     def verify_seconds(tree: Tree) -> float:
