@@ -11,7 +11,7 @@ same generator as plain sampling, so a lossless engine reproduces plain sampling
 
 Writes ``summary.json``, ``summary.md`` and PNG plots to ``--out``. On CPU with the shipped tiny models::
 
-    trainer eval --drafter checkpoints/runs/treeflash_tiny --prompts data/prompts/stdlib_heldout.jsonl \\
+    trainer eval --drafter runs/treeflash_tiny --prompts data/prompts/stdlib_heldout.jsonl \\
         --tree ddtree,treeflash --budget 16,64 --max-new-tokens 64 --temperature 0.7 --out runs/eval --check-lossless
 """
 
