@@ -57,8 +57,9 @@ class ContextSession(DraftSession):
     """A drafter conditioned on target features of committed positions: it keeps the committed tokens and the
     features it has not consumed yet (``pending``, those of positions ``entered ..``)."""
 
-    def __init__(self, target: PreTrainedModel, layer_ids: list[int]) -> None:
+    def __init__(self, drafter: torch.nn.Module, target: PreTrainedModel, layer_ids: list[int]) -> None:
         super().__init__()
+        self.drafter = drafter
         self.embed = target.get_input_embeddings()
         self.head = target.get_output_embeddings()
         self.layer_ids = tuple(layer_ids)
@@ -76,6 +77,10 @@ class ContextSession(DraftSession):
         new = features[None]
         self.pending = new if self.pending is None else torch.cat([self.pending, new], dim=1)
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.drafter.parameters()).device
+
     def take_pending(self) -> tuple[int, int, torch.Tensor | None]:
         """Consume the pending features: ``(first position, end position, features or None)``."""
         start, end, pending = self.entered, len(self.tokens), self.pending
@@ -88,14 +93,15 @@ class BlockDraftSession(ContextSession):
     per step from the root (``[root, MASK, ...]``) gives every depth's marginals."""
 
     def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel) -> None:
-        super().__init__(target, drafter.target_layer_ids)
-        self.drafter = drafter
+        super().__init__(drafter, target, drafter.target_layer_ids)
         self.max_depth = drafter.block_size - 1
         self.cache = DynamicCache(config=drafter.config)
 
     def _block(self, root: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Drafter hidden states of the block ``[root, MASK x depth]``, pre-norm and normed. Shape: (depth + 1, H)"""
-        device = self.cache_device
+        """Drafter hidden states of the block ``[root, MASK x depth]``, pre-norm and normed; ``depth`` is capped at
+        the trained block (``block_size - 1``). Shape: (depth + 1, H)"""
+        depth = min(depth, self.max_depth)
+        device = self.device
         block = torch.full((1, depth + 1), self.drafter.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = root
         start, end, pending = self.take_pending()
@@ -116,12 +122,8 @@ class BlockDraftSession(ContextSession):
         self.forwards += 1
         return hidden[0], self.drafter.norm(hidden[0])
 
-    @property
-    def cache_device(self) -> torch.device:
-        return self.drafter.fc.weight.device
-
     def depth_logits(self, root: int, depth: int) -> torch.Tensor:
-        """Marginal logits of depths ``1..depth`` from one block forward. Shape: (depth, V)"""
+        """Marginal logits of depths ``1..d``, ``d = min(depth, block_size - 1)``. Shape: (d, V)"""
         _, normed = self._block(root, depth)
         return self.head(normed[1:]).float()
 
@@ -141,8 +143,10 @@ class TreeFlashSession(BlockDraftSession):
         # Shape: (depth + 1, V); row 0 is the root's slot, which drafts nothing.
         marginal = self.head(normed).float()
         m = min(top_m, marginal.shape[-1])
-        # Shape: (depth, M): candidates of slots 0..depth-1 as previous tokens of slots 1..depth.
-        prev = marginal[:-1].topk(m, dim=-1).indices
+        # Shape: (depth + 1, M): every slot's top-M candidates, computed once for both stages.
+        top_m_ids = marginal.topk(m, dim=-1).indices
+        # Shape: (depth, M): candidates of slots 0..depth-1 as previous tokens of slots 1..depth (slot 0: the root).
+        prev = top_m_ids[:-1].clone()
         prev[0] = root
         dtype = hidden.dtype
         # Shape: (depth, M, H)
@@ -153,8 +157,7 @@ class TreeFlashSession(BlockDraftSession):
         logprobs = F.log_softmax(self.head(corrected).float() / temperature, dim=-1)
         top = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
         # Candidates of slots 1..depth, in the rows of the slots they belong to.
-        candidates = marginal[1:].topk(m, dim=-1).indices
-        return Transitions.from_candidates(candidates, top.indices, top.values)
+        return Transitions.from_candidates(top_m_ids[1:], top.indices, top.values)
 
 
 class RecyclingSession(DraftSession):
@@ -212,8 +215,7 @@ class Eagle3Session(ContextSession):
     expands a beam of frontier nodes depth by depth, one drafter forward per depth."""
 
     def __init__(self, drafter: Eagle3DraftModel, target: PreTrainedModel) -> None:
-        super().__init__(target, drafter.target_layer_ids)
-        self.drafter = drafter
+        super().__init__(drafter, target, drafter.target_layer_ids)
         self.cache = drafter.make_cache()
 
     def _forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask) -> torch.Tensor:
@@ -223,7 +225,7 @@ class Eagle3Session(ContextSession):
 
     def enter_context(self, root: int) -> torch.Tensor:
         """Enter the pending context positions; the last one's pre-norm output (it drafts depth 1). Shape: (H,)"""
-        device = self.drafter.fc.weight.device
+        device = self.device
         start, end, pending = self.take_pending()
         following = torch.tensor([*self.tokens[start + 1 :], root], device=device)[None]
         positions = torch.arange(start, end, device=device)[None]
@@ -267,14 +269,9 @@ class SpecBlockSession(ContextSession):
     order; :meth:`drop_tree` removes the blocks again."""
 
     def __init__(self, drafter: SpecBlockDraftModel, target: PreTrainedModel) -> None:
-        super().__init__(target, drafter.target_layer_ids)
-        self.drafter = drafter
+        super().__init__(drafter, target, drafter.target_layer_ids)
         self.block_size = drafter.block_size
         self.cache = DynamicCache(config=drafter.config)
-
-    @property
-    def device(self) -> torch.device:
-        return self.drafter.fuse.weight.device
 
     def enter_context(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Enter the pending context positions. Returns the root block's condition (the last position's slot-0

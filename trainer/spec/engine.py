@@ -84,16 +84,15 @@ class TreeBuilder:
 
 
 def _chain(session: BlockDraftSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
-    depth = min(max_depth, budget, session.max_depth)
     with clock("draft"):
-        logits = session.depth_logits(root, depth)
+        logits = session.depth_logits(root, min(max_depth, budget))
     with clock("tree"):
         return chain(root, logits.argmax(-1), budget)
 
 
 def _ddtree(session: BlockDraftSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
     with clock("draft"):
-        logprobs = session.depth_logits(root, min(max_depth, budget, session.max_depth)).log_softmax(-1)
+        logprobs = session.depth_logits(root, min(max_depth, budget)).log_softmax(-1)
     with clock("tree"):
         return ddtree(logprobs, root, budget)
 
@@ -105,7 +104,7 @@ TREEFLASH_TOP_K = 16
 
 def _treeflash(session: TreeFlashSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
     with clock("draft"):
-        tables = session.transitions(root, min(max_depth, budget, session.max_depth), TREEFLASH_TOP_M, TREEFLASH_TOP_K)
+        tables = session.transitions(root, min(max_depth, budget), TREEFLASH_TOP_M, TREEFLASH_TOP_K)
     with clock("tree"):
         return treeflash(tables, root, budget)
 
@@ -381,7 +380,8 @@ def generate(
         root = tokens[-1]
         tree = builder.build(session, root, budget, remaining, clock)
         with clock("verify"):
-            positions = (past_len + tree.depths()).to(device)
+            depths = tree.depths()
+            positions = (past_len + depths).to(device)
             out = target(
                 input_ids=tree.tokens[None].to(device),
                 position_ids=positions[None],
@@ -411,7 +411,7 @@ def generate(
                 result.accepted,
                 len(new),
                 tree.size,
-                int(tree.depths().max()),
+                int(depths.max()),
                 session.forwards - forwards,
                 dict(clock.seconds),
             )

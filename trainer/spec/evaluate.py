@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -352,7 +351,7 @@ def main(argv: list[str]) -> None:
                 raise UserError(f"{hf} comes without a run recipe naming its target; pass --target")
             target_name = recipe_target(recipe)
         drafter = load_drafter(hf, getattr(torch, args.dtype)).to(args.device)
-    elif any(BUILDERS[t].session.__name__ != "RecyclingSession" for t in trees):
+    elif any(BUILDERS[t].session is not RecyclingSession for t in trees):
         raise UserError(f"trees {trees} need a drafter: pass --drafter")
     if target_name is None:
         raise UserError("pass --target (no drafter run to take it from)")
@@ -401,5 +400,3 @@ def main(argv: list[str]) -> None:
     ]
     if failed:
         raise UserError(f"outputs differ from plain decoding: {', '.join(failed)} (see summary.json)")
-    if math.isnan(summary["seconds"]):
-        raise UserError("evaluation produced no timing")
