@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3Config, Qw
 
 from trainer.errors import UserError
 from trainer.export_util import save_hf_dir
-from trainer.optim import adamw_warmup_cosine
+from trainer.optim import adamw_warmup_cosine, muon_warmup_cosine
 from trainer.paths import project_path
 from trainer.tiny.corpus import Split, list_modules, read_module
 
@@ -149,7 +149,9 @@ class TargetPretraining(L.LightningModule):
         intermediate_size: SwiGLU width.
         max_position_embeddings: longest context the exported config advertises.
         rope_theta: RoPE base.
-        lr: peak AdamW learning rate.
+        optimizer: ``muon`` (Muon on the hidden matrices, AdamW on embeddings and norms) or ``adamw``.
+        lr: peak AdamW learning rate (embeddings and norms under ``muon``).
+        muon_lr: peak AdamW-equivalent learning rate of the Muon matrices.
         weight_decay: AdamW weight decay on matrices (not on norms).
         warmup_steps: linear warm-up steps.
         min_lr_ratio: cosine decay floor as a fraction of ``lr``.
@@ -170,7 +172,9 @@ class TargetPretraining(L.LightningModule):
         intermediate_size: int = 768,
         max_position_embeddings: int = 2048,
         rope_theta: float = 10000.0,
+        optimizer: Literal["muon", "adamw"] = "muon",
         lr: float = 3e-3,
+        muon_lr: float = 0.02,
         weight_decay: float = 0.1,
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
@@ -239,6 +243,16 @@ class TargetPretraining(L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
+        if hp.optimizer == "muon":
+            return muon_warmup_cosine(
+                self.model,
+                hp.muon_lr,
+                hp.lr,
+                hp.weight_decay,
+                hp.warmup_steps,
+                self.trainer.estimated_stepping_batches,
+                hp.min_lr_ratio,
+            )
         return adamw_warmup_cosine(
             self.model.parameters(),
             hp.lr,
