@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import qwen3_config
 from transformers import Qwen3ForCausalLM
 
-from conftest import qwen3_config
 from trainer.optim import MuonAdamW, muon_warmup_cosine, orthogonalize
 
 

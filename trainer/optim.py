@@ -10,7 +10,7 @@ token budget is small: the tiny target learns bigram statistics in a fraction of
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -61,7 +61,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 raise ValueError("Muon groups hold 2-D weight matrices only")
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001, ANN201 - torch.optim.Optimizer's signature
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -161,4 +161,5 @@ def muon_warmup_cosine(
         {"params": embed, "muon": False, "lr": adamw_lr, "weight_decay": weight_decay},
         {"params": flat, "muon": False, "lr": adamw_lr, "weight_decay": 0.0},
     ]
-    return warmup_cosine(MuonAdamW([g for g in groups if g["params"]], lr=adamw_lr), warmup_steps, total_steps, min_lr_ratio)
+    optimizer = MuonAdamW([g for g in groups if g["params"]], lr=adamw_lr)
+    return warmup_cosine(optimizer, warmup_steps, total_steps, min_lr_ratio)
