@@ -39,9 +39,17 @@ def shipped():
 
 @pytest.fixture(scope="module")
 def greedy_references(shipped):
-    """The target's own greedy decoding (transformers' generate) of every prompt, 64 new tokens."""
+    """The target's own greedy decoding (transformers' generate) of every prompt, 64 new tokens.
+
+    End-of-text is an ordinary token here, as in ``generate`` without stop tokens: the first prompt is a whole
+    module, where the target's argmax is end-of-text (``min_new_tokens`` would ban it instead)."""
     target, _, _, prompts = shipped
-    outputs = [target.generate(p[None], max_new_tokens=64, min_new_tokens=64, do_sample=False) for p in prompts]
+    eos = target.generation_config.eos_token_id
+    target.generation_config.eos_token_id = None
+    try:
+        outputs = [target.generate(p[None], max_new_tokens=64, do_sample=False) for p in prompts]
+    finally:
+        target.generation_config.eos_token_id = eos
     return [out[0, p.numel() :].tolist() for out, p in zip(outputs, prompts, strict=True)]
 
 
