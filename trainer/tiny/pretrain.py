@@ -152,7 +152,7 @@ class TargetPretraining(L.LightningModule):
         optimizer: ``muon`` (Muon on the hidden matrices, AdamW on embeddings and norms) or ``adamw``.
         lr: peak AdamW learning rate (embeddings and norms under ``muon``).
         muon_lr: peak AdamW-equivalent learning rate of the Muon matrices.
-        weight_decay: AdamW weight decay on matrices (not on norms).
+        weight_decay: decoupled weight decay on matrices, Muon's and AdamW's alike (not on norms).
         warmup_steps: linear warm-up steps.
         min_lr_ratio: cosine decay floor as a fraction of ``lr``.
         compile: ``torch.compile`` the model in place (pays off on runs longer than a few minutes).
