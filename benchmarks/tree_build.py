@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.spec.drafting import RecyclingSession, TreeFlashSession
-from trainer.spec.engine import TREEFLASH_TOP_K, TREEFLASH_TOP_M
+from trainer.spec.options import TreeOptions
 from trainer.spec.tree import Tree, chain, ddtree, recycling_template, retrieval, treeflash
 from trainer.spec.verify import tree_attention_mask
 
@@ -63,7 +63,9 @@ def main() -> None:
         fresh.start(prompt, features, out.logits[0])
         return fresh
 
-    tables = session().transitions(root, depth, TREEFLASH_TOP_M, TREEFLASH_TOP_K)
+    options = TreeOptions()
+    fresh = session()
+    tables = fresh.transitions(root, depth, fresh.candidate_tokens, options.treeflash_top_k)
     marginal = session().depth_logits(root, depth).log_softmax(-1)
     recycling = RecyclingSession(target.config.vocab_size)
     recycling.start(prompt, None, out.logits[0].float())

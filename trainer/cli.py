@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             data_main(rest)
             return
         if command == "eval":
-            from trainer.spec.evaluate import main as eval_main
+            from trainer.evaluate import main as eval_main
 
             eval_main(rest)
             return

@@ -135,6 +135,8 @@ class TreeFlashSession(BlockDraftSession):
     def __init__(self, drafter: TreeFlashDraftModel, target: PreTrainedModel) -> None:
         super().__init__(drafter.model, target)
         self.treeflash = drafter
+        # Stage one's width the checkpoint was trained and shipped for (reference: 16).
+        self.candidate_tokens = int(drafter.config.treeflash_config["candidate_tokens"])
 
     def transitions(self, root: int, depth: int, top_m: int, top_k: int, temperature: float = 1.0) -> Transitions:
         """Stage one (top-M candidates per slot from the marginals) and stage two (top-K corrected

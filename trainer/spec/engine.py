@@ -40,6 +40,7 @@ from trainer.spec.drafting import (
     SpecBlockSession,
     TreeFlashSession,
 )
+from trainer.spec.options import TreeOptions
 from trainer.spec.tree import (
     Tree,
     best_subtree,
@@ -51,6 +52,8 @@ from trainer.spec.tree import (
     treeflash,
 )
 from trainer.spec.verify import GREEDY, Sampling, accept, compact_cache, tree_attention_mask
+
+DEFAULT_OPTIONS = TreeOptions()
 
 
 class Clock:
@@ -80,50 +83,52 @@ class TreeBuilder:
     name: str
     # The session kind the builder drafts with.
     session: type[DraftSession]
-    build: Callable[[DraftSession, int, int, int, Clock], Tree]
+    build: Callable[[DraftSession, int, int, int, Clock, TreeOptions], Tree]
 
 
-def _chain(session: BlockDraftSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
+def _chain(
+    session: BlockDraftSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions
+) -> Tree:
     with clock("draft"):
         logits = session.depth_logits(root, min(max_depth, budget))
     with clock("tree"):
         return chain(root, logits.argmax(-1), budget)
 
 
-def _ddtree(session: BlockDraftSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
+def _ddtree(
+    session: BlockDraftSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions
+) -> Tree:
     with clock("draft"):
         logprobs = session.depth_logits(root, min(max_depth, budget)).log_softmax(-1)
     with clock("tree"):
         return ddtree(logprobs, root, budget)
 
 
-# TreeFlash's reference stage-one/stage-two widths (ALGORITHMS.md §4).
-TREEFLASH_TOP_M = 16
-TREEFLASH_TOP_K = 16
-
-
-def _treeflash(session: TreeFlashSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
+def _treeflash(
+    session: TreeFlashSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions
+) -> Tree:
     with clock("draft"):
-        tables = session.transitions(root, min(max_depth, budget), TREEFLASH_TOP_M, TREEFLASH_TOP_K)
+        top_m = options.treeflash_top_m or session.candidate_tokens
+        tables = session.transitions(root, min(max_depth, budget), top_m, options.treeflash_top_k)
     with clock("tree"):
         return treeflash(tables, root, budget)
 
 
-def _recycling(session: RecyclingSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
+def _recycling(
+    session: RecyclingSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions
+) -> Tree:
     with clock("tree"):
-        template = [p for p in recycling_template(budget, session.adjacency.shape[1]) if len(p) <= max_depth]
+        shape = recycling_template(
+            budget, session.adjacency.shape[1], options.recycling_decay, options.recycling_max_depth
+        )
+        template = [p for p in shape if len(p) <= max_depth]
         return retrieval(session.adjacency, root, template)
 
 
-# EAGLE-2's dynamic tree defaults (ALGORITHMS.md §6): beam width and top-k per node, and drafting depth.
-EAGLE_TOP_K = 10
-EAGLE_DEPTH = 7
-
-
-def _eagle(session: Eagle3Session, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
-    """EAGLE-2: expand the ``EAGLE_TOP_K`` best frontier nodes by cumulative log-prob, one drafter forward per
+def _eagle(session: Eagle3Session, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions) -> Tree:
+    """EAGLE-2: expand the ``eagle_top_k`` best frontier nodes by cumulative log-prob, one drafter forward per
     depth, recording every node's top-k children; the tree is the ``budget`` best recorded candidates."""
-    k = EAGLE_TOP_K
+    k = options.eagle_top_k
     with clock("draft"):
         context_out = session.enter_context(root)
         logprobs = session.logprobs(context_out)
@@ -135,7 +140,7 @@ def _eagle(session: Eagle3Session, root: int, budget: int, max_depth: int, clock
         frontier = list(range(len(tokens)))
         outputs: dict[int, torch.Tensor] = {}
         slots: dict[int, int] = {}
-    for depth in range(1, min(EAGLE_DEPTH, max_depth)):
+    for depth in range(1, min(options.eagle_depth, max_depth)):
         with clock("tree"):
             # Frontier nodes sit at `depth`; entering them drafts depth + 1.
             visible = torch.zeros(len(frontier), len(slots), dtype=torch.bool, device=context_out.device)
@@ -168,13 +173,6 @@ def _eagle(session: Eagle3Session, root: int, budget: int, max_depth: int, clock
         return best_subtree(tokens, parents, scores, root, budget)
 
 
-# SpecBlock growth (ALGORITHMS.md §5): children added at a slot per rank class (class 3 stops the branch), block
-# rounds per step (the root block's included) and blocks launched per round.
-SPECBLOCK_BRANCH = (1, 4, 10, 0)
-SPECBLOCK_ROUNDS = 3
-SPECBLOCK_BLOCKS_PER_ROUND = 8
-
-
 @dataclass
 class _Launch:
     """Where a pending leaf's block starts: the drafted slot's state, the keys that slot saw, its position."""
@@ -185,7 +183,9 @@ class _Launch:
     position: int
 
 
-def _specblock(session: SpecBlockSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
+def _specblock(
+    session: SpecBlockSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions
+) -> Tree:
     """Grow blocks from the root and from pending leaves, walking each block's slots by rank class; prune to
     the ``budget`` best nodes by cumulative log-prob. A round launches the best pending leaves that could still
     enter the pruned tree (a leaf's descendants never score above it)."""
@@ -197,14 +197,15 @@ def _specblock(session: SpecBlockSession, root: int, budget: int, max_depth: int
     scores: list[float] = []
     depths: list[int] = []
     pending = [_Launch(-1, condition, visible, session.entered)]
-    for _ in range(SPECBLOCK_ROUNDS):
+    for _ in range(options.specblock_rounds):
         with clock("tree"):
             cutoff = sorted(scores, reverse=True)[budget - 1] if len(scores) >= budget else -math.inf
             score_of = lambda launch: scores[launch.node] if launch.node >= 0 else 0.0  # noqa: E731
             depth_of = lambda launch: depths[launch.node] if launch.node >= 0 else 0  # noqa: E731
             ready = [p for p in pending if score_of(p) > cutoff and depth_of(p) < max_depth]
             ready.sort(key=score_of, reverse=True)
-            batch, pending = ready[:SPECBLOCK_BLOCKS_PER_ROUND], ready[SPECBLOCK_BLOCKS_PER_ROUND:]
+            per_round = options.specblock_blocks_per_round
+            batch, pending = ready[:per_round], ready[per_round:]
             if not batch:
                 break
             cached = session.cache.get_seq_length()
@@ -225,7 +226,7 @@ def _specblock(session: SpecBlockSession, root: int, budget: int, max_depth: int
                 node = launch.node
                 offset = cached + row * k_slots
                 for slot in range(k_slots):
-                    width = SPECBLOCK_BRANCH[classes[row][slot]]
+                    width = options.specblock_branch[classes[row][slot]]
                     depth = (depths[node] if node >= 0 else 0) + 1
                     if width == 0 or depth > max_depth:
                         break
@@ -254,7 +255,7 @@ def _specblock(session: SpecBlockSession, root: int, budget: int, max_depth: int
         return best_subtree(tokens, parents, scores, root, budget)
 
 
-def _none(session: DraftSession, root: int, budget: int, max_depth: int, clock: Clock) -> Tree:
+def _none(session: DraftSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions) -> Tree:
     return root_only(root)
 
 
@@ -272,13 +273,15 @@ BUILDERS: dict[str, TreeBuilder] = {
 }
 
 
-def make_session(tree: str, target: PreTrainedModel, drafter: torch.nn.Module | None) -> DraftSession:
+def make_session(
+    tree: str, target: PreTrainedModel, drafter: torch.nn.Module | None, options: TreeOptions = DEFAULT_OPTIONS
+) -> DraftSession:
     """A fresh session for one request with builder ``tree``; a clear error when the drafter cannot serve it."""
     if tree not in BUILDERS:
         raise UserError(f"unknown tree builder {tree!r}; choose from {sorted(BUILDERS)}")
     need = BUILDERS[tree].session
     if need is RecyclingSession:
-        return RecyclingSession(target.config.vocab_size, device=target.device)
+        return RecyclingSession(target.config.vocab_size, options.recycling_width, device=target.device)
     if need is DraftSession:
         return DraftSession()
     if drafter is None:
@@ -338,6 +341,7 @@ def generate(
     sampling: Sampling = GREEDY,
     generator: torch.Generator | None = None,
     stop_token_ids: set[int] | None = None,
+    options: TreeOptions = DEFAULT_OPTIONS,
 ) -> Generation:
     """Decode up to ``max_new_tokens`` after ``prompt`` (Shape: (P,)). Lossless: greedy output equals the
     target's greedy decoding; sampled output is distributed as the target's sampling with ``sampling``."""
@@ -378,7 +382,7 @@ def generate(
         clock.seconds = {}
         forwards = session.forwards
         root = tokens[-1]
-        tree = builder.build(session, root, budget, remaining, clock)
+        tree = builder.build(session, root, budget, remaining, clock, options)
         with clock("verify"):
             depths = tree.depths()
             positions = (past_len + depths).to(device)

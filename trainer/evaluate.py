@@ -33,7 +33,8 @@ from transformers import AutoTokenizer, PreTrainedModel
 from trainer.errors import UserError
 from trainer.paths import project_path
 from trainer.spec.drafting import RecyclingSession, load_drafter
-from trainer.spec.engine import BUILDERS, Generation, generate, make_session
+from trainer.spec.engine import BUILDERS, DEFAULT_OPTIONS, Generation, generate, make_session
+from trainer.spec.options import TreeOptions
 from trainer.spec.verify import Sampling
 from trainer.target import load_causal_lm
 from trainer.textstats import ends_in_loop, ngram_repetition
@@ -165,6 +166,7 @@ def evaluate(
     seed: int,
     check_lossless: bool,
     stop_token_ids: set[int],
+    options: TreeOptions = DEFAULT_OPTIONS,
 ) -> dict:
     """Every (condition, tree, budget) over every prompt, with plain decoding beside it. The summary dict."""
     runs = [(c, t, b) for c in conditions for t in trees for b in budgets]
@@ -178,13 +180,14 @@ def evaluate(
     def run(cond: str, tree: str, budget: int, i: int) -> Generation:
         key = (cond, tree, budget)
         if tree == "recycling":
-            session = recycling.setdefault(key, make_session(tree, target, drafter))
+            session = recycling.setdefault(key, make_session(tree, target, drafter, options))
         else:
-            session = make_session(tree, target, drafter)
+            session = make_session(tree, target, drafter, options)
         gen = torch.Generator(device=target.device).manual_seed(seed + i)
         return generate(
-            target, session, BUILDERS[tree], encoded[i], max_new_tokens, budget, conditions[cond], gen, stop_token_ids
-        )
+            target, session, BUILDERS[tree], encoded[i], max_new_tokens, budget, conditions[cond], gen, stop_token_ids,
+            options,
+        )  # fmt: skip
 
     # Warm-up outside the measurement: allocator, kernels, lazy imports.
     for tree in trees:
@@ -306,6 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=Path, required=True, help='JSONL, one {"id", "prompt"} per line')
     p.add_argument("--tree", default="ddtree", help=f"comma-separated builders: {', '.join(sorted(BUILDERS))}")
     p.add_argument("--budget", default="16", help="comma-separated node budgets (draft nodes, root excluded)")
+    p.add_argument(
+        "--tree-opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a tree hyperparameter, repeatable: treeflash_top_m, treeflash_top_k, eagle_top_k, eagle_depth, "
+        "specblock_branch (4 widths: 2,4,10,0), specblock_rounds, specblock_blocks_per_round, recycling_width, "
+        "recycling_decay, recycling_max_depth (trainer/spec/options.py)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = lossless speculative sampling")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -341,6 +353,7 @@ def main(argv: list[str]) -> None:
         headline = Sampling(args.temperature, args.top_p, args.top_k)
     except ValueError as e:
         raise UserError(str(e)) from None
+    options = TreeOptions.parse(args.tree_opt)
     prompts = read_prompts(args.prompts)[: args.limit]
 
     drafter, target_name = None, args.target
@@ -369,7 +382,7 @@ def main(argv: list[str]) -> None:
     start = time.perf_counter()
     summary = evaluate(
         target, drafter, prompts, encoded, trees, budgets, conditions, args.max_new_tokens, args.seed,
-        args.check_lossless, stops,
+        args.check_lossless, stops, options,
     )  # fmt: skip
     summary.update(
         drafter=str(args.drafter) if args.drafter else None,
@@ -379,6 +392,7 @@ def main(argv: list[str]) -> None:
         max_new_tokens=args.max_new_tokens,
         device=args.device,
         dtype=args.dtype,
+        tree_options=asdict(options),
         seconds=time.perf_counter() - start,
     )
     args.out.mkdir(parents=True, exist_ok=True)

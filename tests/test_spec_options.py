@@ -1,0 +1,80 @@
+"""Tree options: parsed from `--tree-opt KEY=VALUE`, bad ones named, and honoured by the builders."""
+
+import pytest
+import torch
+from conftest import ROOT, TINY_TARGET
+from transformers import AutoModelForCausalLM
+
+from trainer.drafters.eagle3 import Eagle3DraftModel
+from trainer.drafters.eagle3 import build_config as eagle3_config
+from trainer.drafters.treeflash import TreeFlashDraftModel
+from trainer.errors import UserError
+from trainer.spec.engine import BUILDERS, generate, make_session
+from trainer.spec.options import TreeOptions
+
+
+def test_parse_converts_each_kind():
+    options = TreeOptions.parse(
+        ["eagle_top_k=8", "specblock-branch=2,4,6,4", "recycling_decay=0.3", "treeflash_top_m=none"]
+    )
+    assert options.eagle_top_k == 8
+    assert options.specblock_branch == (2, 4, 6, 4)
+    assert options.recycling_decay == 0.3
+    assert options.treeflash_top_m is None
+    assert TreeOptions.parse([]) == TreeOptions()
+
+
+@pytest.mark.parametrize(
+    "item,words",
+    [
+        ("eagle_topk=8", "KEY one of"),
+        ("eagle_top_k", "KEY=VALUE"),
+        ("eagle_top_k=eight", "not a valid int"),
+        ("eagle_depth=0", "at least 1"),
+        ("specblock_branch=1,2", "4 widths"),
+        ("recycling_decay=1.5", "(0, 1)"),
+    ],
+)
+def test_bad_option_is_named(item, words):
+    with pytest.raises(UserError, match="tree option") as info:
+        TreeOptions.parse([item])
+    assert words in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
+
+
+def test_treeflash_width_defaults_to_the_checkpoint(target):
+    drafter = TreeFlashDraftModel.from_dflash(str(ROOT / "checkpoints" / "dflash_tiny")).eval()
+    drafter.config.treeflash_config["candidate_tokens"] = 3
+    prompt = torch.tensor([5, 6, 7, 8])
+    outputs, widths = [], []
+    for options in (TreeOptions(), TreeOptions(treeflash_top_m=16)):
+        session = make_session("treeflash", target, drafter, options)
+        transitions = session.transitions
+
+        def recording(root, depth, top_m, top_k, _inner=transitions):
+            widths.append(top_m)
+            tables = _inner(root, depth, top_m, top_k)
+            # Shape: (depth, M, K) continuations of every slot's M candidates.
+            assert tables.tokens.shape[1:] == (top_m, top_k)
+            return tables
+
+        session.transitions = recording
+        outputs.append(generate(target, session, BUILDERS["treeflash"], prompt, 4, budget=32, options=options).tokens)
+    assert set(widths) == {3, 16}
+    assert outputs[0] == outputs[1]  # greedy output is the target's whatever the tree
+
+
+def test_eagle_depth_sets_drafter_forwards(target):
+    torch.manual_seed(0)
+    drafter = Eagle3DraftModel(eagle3_config(target.config, draft_vocab_size=target.config.vocab_size)).eval()
+    for depth in (2, 4):
+        options = TreeOptions(eagle_depth=depth)
+        session = make_session("eagle", target, drafter, options)
+        g = generate(target, session, BUILDERS["eagle"], torch.tensor([5, 6, 7]), 8, budget=32, options=options)
+        # One drafter forward per depth: the context's, then one per expanded depth.
+        assert g.steps[0].forwards == depth
+        assert max(s.tree_depth for s in g.steps) <= depth
