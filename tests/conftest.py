@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from trainer.data.prepare import DataSpec, DraftData
+from trainer.data.prepare import DataSpec
+from trainer.training.datamodule import DraftData
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGET = ROOT / "checkpoints" / "target_tiny"

@@ -9,10 +9,11 @@ from conftest import make_tiny_target
 import trainer.data.cache as cache_mod
 from trainer.data.cache import FeatureCache, cache_features
 from trainer.data.features import with_features
-from trainer.data.prepare import DataSpec, DraftData
-from trainer.data.vocab import DraftVocab
+from trainer.data.prepare import DataSpec
+from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
 from trainer.target import Target
+from trainer.training.datamodule import DraftData
 
 LAYERS = [1, 3]
 TOPK = 8

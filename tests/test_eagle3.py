@@ -8,8 +8,8 @@ from safetensors import safe_open
 from transformers import Qwen3Config
 
 from trainer.data.features import with_features
-from trainer.data.vocab import DraftVocab
 from trainer.drafters.eagle3 import Eagle3DraftModel, build_config
+from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
 from trainer.training.eagle3 import (
     Eagle3Training,

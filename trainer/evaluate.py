@@ -31,6 +31,7 @@ from rich.progress import Progress
 from transformers import AutoTokenizer, PreTrainedModel
 
 from trainer.errors import UserError
+from trainer.io import write_text_atomic
 from trainer.paths import project_path
 from trainer.spec.drafting import RecyclingSession, load_drafter
 from trainer.spec.engine import BUILDERS, DEFAULT_OPTIONS, Generation, generate, make_session
@@ -396,9 +397,7 @@ def main(argv: list[str]) -> None:
         seconds=time.perf_counter() - start,
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    tmp = args.out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1) + "\n")
-    tmp.replace(args.out / "summary.json")
+    write_text_atomic(args.out / "summary.json", json.dumps(summary, indent=1) + "\n")
     report = markdown(summary)
     (args.out / "summary.md").write_text(report + "\n")
     written = plots(summary, args.out)

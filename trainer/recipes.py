@@ -97,17 +97,26 @@ def parse_overrides(args: list[str]) -> list[Override]:
 
 
 def _class_params(class_path: str) -> tuple[dict[str, Any], bool] | None:
-    """Init parameters of ``class_path`` (name → annotation) and whether it takes ``**kwargs``; None if it
-    cannot be imported."""
+    """Init parameters of ``class_path`` (name → annotation) and whether it takes arbitrary ``**kwargs``; None if
+    it cannot be imported. An ``__init__`` that takes ``**kwargs`` passes them on to its base class's, whose
+    parameters are then the class's too (as LightningCLI reads them)."""
     module_name, _, attr = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError):
         return None
-    hints = typing.get_type_hints(cls.__init__)
-    params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"]
-    names = {p.name: hints.get(p.name) for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    return names, any(p.kind == p.VAR_KEYWORD for p in params)
+    names: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        hints = typing.get_type_hints(klass.__init__)
+        params = [p for p in inspect.signature(klass.__init__).parameters.values() if p.name != "self"]
+        for p in params:
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                names.setdefault(p.name, hints.get(p.name))
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            return names, False
+    return names, True
 
 
 def _nested_fields(annotation: Any) -> dict[str, Any] | None:

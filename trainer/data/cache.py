@@ -5,7 +5,7 @@ Layout of a cache directory::
     manifest.json                  what was cached (target, layers, top-k, the DataSpec, row counts)
     train/shard-00000.arrow ...    Arrow IPC files, one record batch each
     validation/shard-00000.arrow
-    draft_vocab.safetensors        d2t / t2d of the reduced draft vocabulary (trainer.data.vocab)
+    draft_vocab.safetensors        d2t / t2d of the reduced draft vocabulary (trainer.drafters.vocab)
 
 A row holds ``input_ids``, ``loss_mask``, ``position_ids``, ``doc_ids``, ``features`` (T·n·H float16, the
 target layers' hidden states), ``teacher_topk_ids`` (T·k int32) and ``teacher_topk_logprobs`` (T·k float16).
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -33,10 +32,11 @@ from rich.progress import Progress
 from torch.utils.data import Dataset
 
 from trainer.data.features import online_features
-from trainer.data.pack import PackedRow, collate
+from trainer.data.pack import PackedRow, collate, loss_token_counts
 from trainer.data.prepare import DataSpec, load_tokenizer, prepare
-from trainer.data.vocab import DraftVocab
+from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
+from trainer.io import atomic_path, write_text_atomic
 from trainer.paths import project_path
 from trainer.target import Target
 
@@ -69,13 +69,8 @@ def _list_array(chunks: list[np.ndarray], arrow_type: pa.DataType) -> pa.ListArr
 
 def _write_shard(path: Path, columns: dict[str, list[np.ndarray]]) -> None:
     batch = pa.RecordBatch.from_arrays([_list_array(columns[n], t) for n, t in COLUMNS.items()], schema=SCHEMA)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
+    with atomic_path(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
         writer.write_batch(batch)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _manifest_config(target: str, layers: list[int], topk: int, spec: DataSpec, shard_rows: int) -> dict:
@@ -88,12 +83,6 @@ def _manifest_config(target: str, layers: list[int], topk: int, spec: DataSpec, 
         "feature_dtype": "float16",
         "spec": asdict(spec),
     }
-
-
-def _write_manifest(path: Path, manifest: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, path)
 
 
 def _read_manifest(path: Path) -> dict:
@@ -151,9 +140,10 @@ def cache_features(
         "complete": False,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_manifest(manifest_path, manifest)
+    write_text_atomic(manifest_path, json.dumps(manifest, indent=1))
     if draft_vocab_size:
-        DraftVocab.from_rows(prepared.train, len(tokenizer), draft_vocab_size).save(out_dir / "draft_vocab.safetensors")
+        counts = loss_token_counts(map(vars, prepared.train), len(tokenizer))
+        DraftVocab.from_counts(counts, draft_vocab_size).save(out_dir / "draft_vocab.safetensors")
 
     model = Target.from_pretrained(str(project_path(target)), layers, dtype=dtype)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -168,7 +158,7 @@ def cache_features(
                     _write_shard(path, _compute(model, chunk, topk, batch_size, pad))
                 progress.advance(task, len(chunk))
     manifest["complete"] = True
-    _write_manifest(manifest_path, manifest)
+    write_text_atomic(manifest_path, json.dumps(manifest, indent=1))
     size = sum(p.stat().st_size for p in out_dir.rglob("*.arrow"))
     tokens = sum(manifest["tokens"].values())
     print(f"cached {total} rows, {tokens} tokens, {size / tokens:.0f} bytes/token -> {out_dir}")

@@ -30,6 +30,20 @@ def online_features(target: Target, batch: dict[str, torch.Tensor], topk: int) -
     return {"features": out.features, "teacher_topk_ids": top.indices, "teacher_topk_logprobs": top.values}
 
 
+def teacher_at(batch: dict[str, torch.Tensor], index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-k ids and log-probs at row positions ``index`` of a batch with features.
+
+    Shape: index (B, ...) long → (B, ..., k) each
+    """
+    flat = index.flatten(1)[..., None]
+    k = batch["teacher_topk_ids"].shape[-1]
+
+    def take(values: torch.Tensor) -> torch.Tensor:
+        return values.gather(1, flat.expand(-1, -1, k)).view(*index.shape, k)
+
+    return take(batch["teacher_topk_ids"]), take(batch["teacher_topk_logprobs"])
+
+
 def with_features(batch: dict[str, torch.Tensor], target: Target | None, topk: int) -> dict[str, torch.Tensor]:
     """The batch with features: as read from a cache (offline), or computed now by ``target`` (online)."""
     if all(k in batch for k in FEATURE_KEYS):

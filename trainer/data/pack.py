@@ -8,13 +8,15 @@ silently wrong with eager attention, which adds it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from trainer.data.render import Rendered
 from trainer.errors import UserError
+from trainer.masks import additive_mask
 
 
 @dataclass
@@ -55,6 +57,16 @@ def pack(samples: Iterable[Rendered], max_length: int, packing: bool = True) -> 
     return rows
 
 
+def loss_token_counts(rows: Iterable[Mapping[str, Any]], vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs under the loss mask of rows with ``input_ids`` / ``loss_mask`` (lists or
+    tensors). Shape: (V,)"""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in rows:
+        ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
+        counts += torch.bincount(ids[torch.as_tensor(row["loss_mask"]).bool()], minlength=vocab_size)
+    return counts
+
+
 def collate(rows: Sequence[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pads rows of ``input_ids``/``loss_mask``/``position_ids``/``doc_ids`` to the longest one."""
     width = max(len(r["input_ids"]) for r in rows)
@@ -82,6 +94,4 @@ def packed_attention_mask(doc_ids: torch.Tensor, dtype: torch.dtype = torch.floa
     same = doc_ids[:, :, None] == doc_ids[:, None, :]
     allowed = same & causal & (doc_ids[:, :, None] > 0)
     allowed |= torch.eye(t, dtype=torch.bool, device=doc_ids.device)  # no all-masked row, so no NaN
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
+    return additive_mask(allowed, dtype)[:, None]

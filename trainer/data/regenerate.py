@@ -57,6 +57,7 @@ from trainer.data.prepare import load_tokenizer
 from trainer.data.render import turn_end_marker
 from trainer.data.sources import LoadReport, load_chat
 from trainer.errors import UserError
+from trainer.sampling import nucleus
 from trainer.target import load_causal_lm
 
 
@@ -104,13 +105,7 @@ class SeededSampler(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         if self.generators is None:
             self.generators = [torch.Generator(device=scores.device).manual_seed(s) for s in self.seeds]
-        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
-        if self.top_p < 1.0:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            # Keep the smallest head of the distribution whose mass reaches top_p (always at least one token).
-            outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= self.top_p
-            sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = nucleus(torch.softmax(scores.float() / self.temperature, dim=-1), self.top_p)
         chosen = torch.stack(
             [torch.multinomial(p, 1, generator=g)[0] for p, g in zip(probs, self.generators, strict=True)]
         )

@@ -1,9 +1,10 @@
-"""What the drafters share: config fields copied from the target, their checks, masks, a Qwen3 decoder layer.
+"""What the drafters share: config fields copied from the target, their checks, SDPA, a Qwen3 decoder layer.
 
 Every drafter reads the target's input embeddings and hidden states, so its width, heads, RoPE, vocabulary and
 norm eps are the target's (:func:`drafter_config`); and every drafter's attention calls torch's SDPA itself with
-an explicit mask (:class:`SdpaDrafter`, :func:`as_additive_mask`). DFlash and SpecBlock share one Qwen3 decoder
-layer (:class:`DrafterDecoderLayer`), whose attention keys may be prefixed by a context that has no query of its own.
+an explicit mask (:class:`SdpaDrafter`, :func:`trainer.masks.additive_mask`). DFlash and SpecBlock share one Qwen3
+decoder layer (:class:`DrafterDecoderLayer`), whose attention keys may be prefixed by a context that has no query of
+its own.
 """
 
 from __future__ import annotations
@@ -77,14 +78,6 @@ def valid_layer_ids(layer_ids: Sequence[int], num_target_layers: int) -> list[in
             f"target_layer_ids {ids} must be non-empty and within the target's layers 0..{num_target_layers - 1}"
         )
     return ids
-
-
-def as_additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean (True = attend) or float mask as an additive mask in ``dtype``, as SDPA requires."""
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-    # finfo(float32).min overflows to -inf in float16; clamp keeps it finite.
-    return mask.to(dtype).clamp_min(torch.finfo(dtype).min)
 
 
 class SdpaDrafter:

@@ -1,4 +1,4 @@
-"""DFlash block drafter (ALGORITHMS.md §1): a few Qwen3 decoder layers that draft a whole block in one forward.
+"""DFlash block drafter (docs/algorithms.md §1): a few Qwen3 decoder layers that draft a whole block in one forward.
 
 The drafter reads the frozen target's hidden states of a few layers (``target_layer_ids``), projects their
 concatenation to one context vector per committed position (``hidden_norm(fc(.))``), and runs a block of
@@ -42,8 +42,9 @@ from transformers import PretrainedConfig, Qwen3Config
 from transformers.cache_utils import Cache
 from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from trainer.drafters.common import DrafterDecoderLayer, SdpaDrafter, as_additive_mask, drafter_config, valid_layer_ids
+from trainer.drafters.common import DrafterDecoderLayer, SdpaDrafter, drafter_config, valid_layer_ids
 from trainer.errors import UserError
+from trainer.masks import additive_mask
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -169,7 +170,7 @@ class DFlashDraftModel(SdpaDrafter, Qwen3PreTrainedModel):
         - ``attention_mask``: ``None`` lets every query see every key (inference: one block after its context),
           or a mask (B, 1, Q, P + C + Q) over the P cached and C + Q new keys, additive float (``0`` /
           ``finfo.min``) or boolean (``True`` = may attend). Training builds one with
-          :func:`trainer.training.blocks.block_attention_mask`.
+          :func:`trainer.training.block_batches.block_attention_mask`.
         - ``past_key_values``: a ``DynamicCache`` that receives the new context and block keys of every layer
           and supplies the cached ones. Keep the context, drop the block after drafting:
           ``past_key_values.crop(-Q)`` (transformers 5.24 takes the negative count to remove).
@@ -198,7 +199,7 @@ class DFlashDraftModel(SdpaDrafter, Qwen3PreTrainedModel):
         # Shape: cos, sin (B, C + Q, D)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         if attention_mask is not None:
-            attention_mask = as_additive_mask(attention_mask, hidden_states.dtype)
+            attention_mask = additive_mask(attention_mask, hidden_states.dtype)
 
         for layer in self.layers:
             # Tensors that may need gradients go positionally, as gradient checkpointing requires.

@@ -1,4 +1,4 @@
-"""EAGLE-3 drafter (ALGORITHMS.md §6): one decoder layer over fused target features, a reduced draft vocabulary.
+"""EAGLE-3 drafter (docs/algorithms.md §6): one decoder layer over fused target features, a reduced draft vocabulary.
 
 The target's hidden states of three layers - HF ``hidden_states`` indices ``[2, L//2, L-3]`` of an ``L``-layer
 target, i.e. the outputs of decoder layers ``[1, L//2-1, L-4]`` in this project's layer-id convention
@@ -60,9 +60,10 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from trainer.data.vocab import DraftVocab
 from trainer.drafters.common import SdpaDrafter, drafter_config
+from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
+from trainer.masks import additive_mask
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -311,13 +312,11 @@ class Eagle3DraftModel(SdpaDrafter, LlamaPreTrainedModel):
         dtype = hidden.dtype
         if attention_mask is None:
             allowed = torch.ones(q_len, past + q_len, dtype=torch.bool, device=hidden.device).tril(past)
-            attention_mask = torch.zeros(allowed.shape, dtype=dtype, device=hidden.device)
-            attention_mask = attention_mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+            attention_mask = additive_mask(allowed, dtype)[None, None]
         elif attention_mask.dtype == torch.bool:
             raise ValueError("attention_mask must be additive float (0 / finfo.min), not boolean")
         else:
-            # finfo(float32).min is not representable in float16; clamping first keeps the mask finite.
-            attention_mask = attention_mask.float().clamp_min(torch.finfo(dtype).min).to(dtype)
+            attention_mask = additive_mask(attention_mask, dtype)
         if attention_mask.shape[-2:] != (q_len, past + q_len):
             raise ValueError(
                 f"attention_mask covers {tuple(attention_mask.shape[-2:])} (queries, keys); expected "

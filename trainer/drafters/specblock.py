@@ -1,4 +1,4 @@
-"""SpecBlock block-iterative drafter (ALGORITHMS.md §5): one forward drafts a block of K dependent slots.
+"""SpecBlock block-iterative drafter (docs/algorithms.md §5): one forward drafts a block of K dependent slots.
 
 A block starts from a token ``x_s`` at position ``s`` and a condition vector. For a context position the
 condition is the projected target feature ``P f_s`` of the three EAGLE-3 layers (HF ``hidden_states`` indices
@@ -62,8 +62,9 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from trainer.drafters.common import DrafterDecoderLayer, SdpaDrafter, as_additive_mask, drafter_config, valid_layer_ids
+from trainer.drafters.common import DrafterDecoderLayer, SdpaDrafter, drafter_config, valid_layer_ids
 from trainer.errors import UserError
+from trainer.masks import additive_mask
 
 DEFAULT_BLOCK_SIZE = 4
 # Upper ranks of the rank classes but the last: class 0 = rank 1, 1 = ranks 2-4, 2 = ranks 5-10, 3 = above 10.
@@ -300,7 +301,7 @@ class SpecBlockDraftModel(SdpaDrafter, Qwen3PreTrainedModel):
                 f"({n * k}, {cached + n * k}) for {n} blocks of {k} slots after {cached} cached keys"
             )
         dtype = self.fuse.weight.dtype
-        attention_mask = as_additive_mask(attention_mask, dtype)
+        attention_mask = additive_mask(attention_mask, dtype)
 
         size = (b, n, k, hidden)
         # Shape: (B, N, K, 3H) -> (B, N, K, H)

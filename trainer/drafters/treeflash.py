@@ -1,4 +1,4 @@
-"""TreeFlash: a DFlash block drafter plus a zero-initialised SwiGLU AR-approximator (ALGORITHMS.md §4).
+"""TreeFlash: a DFlash block drafter plus a zero-initialised SwiGLU AR-approximator (docs/algorithms.md §4).
 
 The approximator corrects each slot's hidden state with the token before it::
 

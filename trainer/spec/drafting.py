@@ -6,11 +6,11 @@ verification) and a tree builder asks it for drafts. A session says which target
 
 - :class:`DraftSession` itself: no drafter, plain autoregressive decoding (the baseline runs the same loop).
 - :class:`BlockDraftSession`: DFlash; one block forward gives per-depth marginals (chain, DDTree).
-- :class:`TreeFlashSession`: DFlash marginals plus TreeFlash's transition tables (ALGORITHMS.md §4).
-- :class:`Eagle3Session`: EAGLE-3 with EAGLE-2's dynamic tree (ALGORITHMS.md §6).
+- :class:`TreeFlashSession`: DFlash marginals plus TreeFlash's transition tables (docs/algorithms.md §4).
+- :class:`Eagle3Session`: EAGLE-3 with EAGLE-2's dynamic tree (docs/algorithms.md §6).
 - :class:`SpecBlockSession`: SpecBlock blocks launched from the root and from pending leaves (§5).
 - :class:`RecyclingSession`: no drafter; a Token-Recycling adjacency matrix learnt from the target's
-  logits at every verified node and prompt position (ALGORITHMS.md §8).
+  logits at every verified node and prompt position (docs/algorithms.md §8).
 
 On CPU, with the shipped tiny models::
 
@@ -31,6 +31,7 @@ from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.specblock import SpecBlockDraftModel, launch_mask
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
+from trainer.masks import additive_mask
 from trainer.spec.tree import Transitions, Tree
 
 
@@ -247,7 +248,7 @@ class Eagle3Session(ContextSession):
             ],
             dim=1,
         )
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        mask = additive_mask(allowed, dtype)
         positions = torch.full((1, n), self.entered + depth - 1, device=device)
         return self._forward(hidden[None], tokens[None], positions, mask[None, None])[0]
 

@@ -1,6 +1,6 @@
 """Tree hyperparameters: what `trainer eval --tree-opt KEY=VALUE` and the server pass to the tree builders.
 
-Defaults are the reference settings of each builder (ALGORITHMS.md): TreeFlash's stage-one/stage-two widths
+Defaults are the reference settings of each builder (docs/algorithms.md): TreeFlash's stage-one/stage-two widths
 (§4), EAGLE-2's dynamic tree (§6), SpecBlock's growth (§5) and the Token-Recycling template (§8). Budgets
 are not here: every builder takes its node budget per step, so a controller can change it between steps.
 

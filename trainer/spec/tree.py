@@ -1,4 +1,4 @@
-"""Draft trees and the pure tensor functions that build them (ALGORITHMS.md §2, §4, §8).
+"""Draft trees and the pure tensor functions that build them (docs/algorithms.md §2, §4, §8).
 
 A tree is a root (the last committed token, whose target logits are not computed yet) plus ``N`` draft
 nodes; the node budget always counts draft nodes only, root excluded. Nodes are stored in topological
@@ -130,7 +130,7 @@ def _best_first(
 
 
 def ddtree(logprobs: torch.Tensor, root: int, budget: int) -> Tree:
-    """DDTree: the best tree of ``budget`` nodes from per-depth marginals (ALGORITHMS.md §2).
+    """DDTree: the best tree of ``budget`` nodes from per-depth marginals (docs/algorithms.md §2).
 
     ``logprobs`` Shape: (D, V), row ``d`` the log-probs of depth ``d + 1``. A node at depth ``d`` with rank ``r``
     among depth ``d``'s top tokens has siblings of rank ``r + 1`` and a first child of rank 0 at depth ``d + 1``.
@@ -158,7 +158,7 @@ def ddtree(logprobs: torch.Tensor, root: int, budget: int) -> Tree:
 
 @dataclass(frozen=True)
 class Transitions:
-    """TreeFlash's stage-two tables (ALGORITHMS.md §4) for slots ``1..D``; row ``d`` is slot ``d + 1``.
+    """TreeFlash's stage-two tables (docs/algorithms.md §4) for slots ``1..D``; row ``d`` is slot ``d + 1``.
 
     ``tokens[d, m]`` / ``logprobs[d, m]`` are the top-K corrected tokens and log-probs of slot ``d + 1`` given
     that the previous slot carries candidate ``m`` (slot 1: the root, row ``m = 0`` only). ``next_index[d, m, j]``
@@ -187,7 +187,7 @@ class Transitions:
 
 def treeflash(transitions: Transitions, root: int, budget: int) -> Tree:
     """TreeFlash's stage-two tree: DDTree's best-first heap where a node's children come from its own
-    transition row (ALGORITHMS.md §4)."""
+    transition row (docs/algorithms.md §4)."""
     if budget <= 0 or transitions.tokens.shape[0] == 0:
         return root_only(root)
     depth_count, _, k = transitions.tokens.shape

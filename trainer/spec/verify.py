@@ -1,4 +1,4 @@
-"""Lossless tree verification (ALGORITHMS.md §3): the tree attention mask, greedy and sampled acceptance, and
+"""Lossless tree verification (docs/algorithms.md §3): the tree attention mask, greedy and sampled acceptance, and
 KV compaction to the accepted path.
 
 Acceptance treats drafts as deterministic: at each node the target's own next token is decided (argmax,
@@ -18,6 +18,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from trainer.masks import additive_mask
+from trainer.sampling import nucleus
 from trainer.spec.tree import Tree
 
 
@@ -46,14 +48,7 @@ class Sampling:
         if 0 < self.top_k < scores.shape[-1]:
             kth = scores.topk(self.top_k, dim=-1).values[..., -1:]
             scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = scores.softmax(-1)
-        if self.top_p < 1:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
-            keep = sorted_probs.cumsum(-1) - sorted_probs < self.top_p
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
-            probs = probs / probs.sum(-1, keepdim=True)
-        return probs
+        return nucleus(scores.softmax(-1), self.top_p)
 
     def next_token(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
         """One token from one row of logits. Shape: (V,)"""
@@ -72,8 +67,7 @@ def tree_attention_mask(tree: Tree, past_len: int, dtype: torch.dtype, device: t
     n = tree.tokens.numel()
     mask = torch.zeros(1, 1, n, past_len + n, dtype=dtype, device=device)
     visible = tree.ancestor_mask().to(device)
-    block = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=device).masked_fill(visible, 0)
-    mask[0, 0, :, past_len:] = block
+    mask[0, 0, :, past_len:] = additive_mask(visible, dtype)
     return mask
 
 

@@ -11,7 +11,6 @@ At the end of ``fit`` the model and its tokenizer are written as an HF directory
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from pathlib import Path
 from typing import Literal
@@ -24,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
 from trainer.errors import UserError
-from trainer.export_util import save_hf_dir
+from trainer.io import atomic_path, write_dir_atomic
 from trainer.optim import adamw_warmup_cosine, muon_warmup_cosine
 from trainer.paths import project_path
 from trainer.tiny.corpus import Split, list_modules, read_module
@@ -113,10 +112,8 @@ class StdlibCorpus(L.LightningDataModule):
             eos = self.tokenizer.eos_token_id
             ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
             arr = np.fromiter((tok for doc in ids for tok in (*doc, eos)), dtype=np.uint16)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
-            np.save(tmp, arr)
-            tmp.replace(path)
+            with atomic_path(path) as tmp, open(tmp, "wb") as f:
+                np.save(f, arr)
         self.splits[split] = arr
         return arr
 
@@ -281,4 +278,4 @@ def export_hf(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerBase, out: 
             model.to(original_dtype)
         tokenizer.save_pretrained(tmp)
 
-    save_hf_dir(out, save)
+    write_dir_atomic(out, save)

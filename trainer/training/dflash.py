@@ -1,4 +1,4 @@
-"""DFlash block-drafter training (ALGORITHMS.md §1): random anchors, block masks, decaying slot weights.
+"""DFlash block-drafter training (docs/algorithms.md §1): random anchors, block masks, decaying slot weights.
 
 Recipe ``recipes/dflash_tiny.yaml`` trains the tiny DFlash backbone on the shipped tiny target; on CPU::
 
@@ -7,7 +7,7 @@ Recipe ``recipes/dflash_tiny.yaml`` trains the tiny DFlash backbone on the shipp
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import PreTrainedModel
@@ -16,7 +16,7 @@ from trainer.drafters.dflash import DFlashDraftModel, build_config
 from trainer.errors import UserError
 from trainer.losses import cross_entropy, forward_kl_topk, weighted_slot_mean
 from trainer.paths import project_path
-from trainer.training.block import BlockDrafterTraining
+from trainer.training.block_drafter import BlockDrafterTraining
 
 
 class DFlashTraining(BlockDrafterTraining):
@@ -26,15 +26,14 @@ class DFlashTraining(BlockDrafterTraining):
         target: HF causal LM (directory or hub id); its embedding and LM head are the drafter's.
         num_layers: drafter decoder layers.
         block_size: slots per block (anchor + B-1 masked slots).
-        gamma: slot weight decay ``w_k = exp(-(k-1)/gamma)``.
-        max_anchors: blocks per training row.
         loss: ``ce`` against the data token or ``kl`` (forward KL) against the target's distribution.
         mask_token_id: the MASK token; default the tokenizer's mask token of the target directory.
         intermediate_size: drafter MLP width; default the target's.
         init_from: start from this DFlash checkpoint directory instead of a random init.
-        seed: anchor sampling seed.
+        lr: peak AdamW learning rate.
 
-    The other arguments: see :class:`~trainer.training.frozen_target.FrozenTargetTraining`.
+    The other arguments: see :class:`~trainer.training.block_drafter.BlockDrafterTraining` and
+    :class:`~trainer.training.frozen_target.FrozenTargetTraining`.
     """
 
     def __init__(
@@ -42,40 +41,36 @@ class DFlashTraining(BlockDrafterTraining):
         target: str,
         num_layers: int = 1,
         block_size: int = 16,
-        gamma: float = 7.0,
-        max_anchors: int = 32,
         loss: Literal["ce", "kl"] = "ce",
         mask_token_id: int | None = None,
         intermediate_size: int | None = None,
         init_from: str | None = None,
-        target_dtype: str = "float32",
-        topk: int = 32,
         lr: float = 6e-4,
-        weight_decay: float = 0.01,
-        warmup_steps: int = 50,
-        min_lr_ratio: float = 0.1,
-        seed: int = 0,
-        export_dir: str | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
+        super().__init__(target=target, lr=lr, **kwargs)
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.loss = loss
+        self.mask_token_id = mask_token_id
+        self.intermediate_size = intermediate_size
+        self.init_from = init_from
 
     family = "DFlash"
     depth_names = ("dflash",)
 
     def build_drafter(self, target: PreTrainedModel) -> DFlashDraftModel:
-        hp = self.hparams
-        if hp.init_from:
-            return self.load_drafter(DFlashDraftModel)
-        mask_id = hp.mask_token_id
+        if self.init_from:
+            return self.load_drafter(DFlashDraftModel, self.init_from)
+        mask_id = self.mask_token_id
         if mask_id is None:
             from transformers import AutoTokenizer
 
-            mask_id = AutoTokenizer.from_pretrained(str(project_path(hp.target))).mask_token_id
+            mask_id = AutoTokenizer.from_pretrained(str(project_path(self.target_path))).mask_token_id
             if mask_id is None:
                 raise UserError("the target's tokenizer has no mask token; set model.mask_token_id")
-        overrides = {"intermediate_size": hp.intermediate_size} if hp.intermediate_size else {}
-        config = build_config(target.config, hp.num_layers, hp.block_size, mask_id, **overrides)
+        overrides = {"intermediate_size": self.intermediate_size} if self.intermediate_size else {}
+        config = build_config(target.config, self.num_layers, self.block_size, mask_id, **overrides)
         return DFlashDraftModel(config)
 
     @property
@@ -86,10 +81,7 @@ class DFlashTraining(BlockDrafterTraining):
         batch, blocks = self._blocks(batch)
         logits = self.logits(self.drafter.norm(self.block_hidden(batch, blocks)))
         t_ids, t_lp = self.teacher(batch, blocks)
-        if self.hparams.loss == "kl":
-            per_slot = forward_kl_topk(logits, t_ids, t_lp)
-        else:
-            per_slot = cross_entropy(logits, blocks.labels)
+        per_slot = forward_kl_topk(logits, t_ids, t_lp) if self.loss == "kl" else cross_entropy(logits, blocks.labels)
         return weighted_slot_mean(per_slot, blocks.label_mask, self.slot_weights()), logits, blocks, t_ids, t_lp
 
     def training_step(self, batch, batch_idx):

@@ -1,4 +1,4 @@
-"""EAGLE-3 training with training-time test (ALGORITHMS.md §6): the drafter is unrolled on its own outputs.
+"""EAGLE-3 training with training-time test (docs/algorithms.md §6): the drafter is unrolled on its own outputs.
 
 Step 0 gives position ``t`` the fused target feature ``fc(f_t)`` and the embedding of ``x_{t+1}`` and trains it
 to predict ``x_{t+2}``. Step ``i`` gives position ``t`` the drafter's own pre-norm output of step ``i-1`` at
@@ -20,7 +20,7 @@ drafter's distribution over the draft vocabulary and ``p_T`` the target's top-k 
 restricted to the draft vocabulary and renormalised there. A position is valid when its label is in the same
 sample, under the loss mask, and the target's top token is in the draft vocabulary (otherwise the restricted
 teacher says nothing about the token the target will actually choose). The draft vocabulary is the
-``draft_vocab_size`` most frequent loss-masked tokens of the training rows (``trainer.data.vocab``).
+``draft_vocab_size`` most frequent loss-masked tokens of the training rows (``trainer.drafters.vocab``).
 
 On CPU with the shipped tiny target::
 
@@ -30,20 +30,20 @@ On CPU with the shipped tiny target::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
-from torch.utils.data import Dataset
 from transformers import PretrainedConfig, PreTrainedModel
 
-from trainer.data.features import with_features
-from trainer.data.pack import packed_attention_mask
-from trainer.data.vocab import DraftVocab
+from trainer.data.features import teacher_at, with_features
+from trainer.data.pack import loss_token_counts, packed_attention_mask
 from trainer.drafters.eagle3 import Eagle3DraftModel, build_config
+from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
 from trainer.losses import topk_coverage
+from trainer.masks import additive_mask
 from trainer.training.frozen_target import FrozenTargetTraining
+from trainer.training.metrics import show_table
 
 
 @dataclass
@@ -94,7 +94,7 @@ def ttt_attention_mask(doc_ids: torch.Tensor, step: int, dtype: torch.dtype = to
     t = doc_ids.shape[1]
     # Shape: (B, 1, T, T)
     committed = packed_attention_mask(doc_ids, dtype=dtype)
-    own = torch.full((t, t), torch.finfo(dtype).min, dtype=dtype, device=doc_ids.device).fill_diagonal_(0)
+    own = additive_mask(torch.eye(t, dtype=torch.bool, device=doc_ids.device), dtype)
     return torch.cat([committed, *[own.expand_as(committed)] * step], dim=-1)
 
 
@@ -126,16 +126,6 @@ def soft_cross_entropy_and_kl(
     return ce, kl
 
 
-def loss_token_counts(dataset: Dataset, vocab_size: int) -> torch.Tensor:
-    """How often each token id occurs under the loss mask in rows with ``input_ids`` / ``loss_mask``. Shape: (V,)"""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for i in range(len(dataset)):
-        row = dataset[i]
-        ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
-        counts += torch.bincount(ids[torch.as_tensor(row["loss_mask"]).bool()], minlength=vocab_size)
-    return counts
-
-
 class Eagle3Training(FrozenTargetTraining):
     """Trains an EAGLE-3 drafter against a frozen target with the training-time-test unroll.
 
@@ -147,10 +137,12 @@ class Eagle3Training(FrozenTargetTraining):
         intermediate_size: the drafter's MLP width; default the target's.
         init_lm_head: start ``lm_head`` from the target's LM-head rows of the draft vocabulary.
         init_from: continue from this EAGLE-3 HF directory (its draft vocabulary is kept).
-        export_dir: HF directory (SGLang ``LlamaForCausalLMEagle3`` layout) written at the end of fit; default
-            ``<run>/hf``.
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay on matrices.
+        warmup_steps: linear warm-up steps.
 
-    The other arguments: see :class:`~trainer.training.frozen_target.FrozenTargetTraining`.
+    The end of fit writes the drafter to ``export_dir`` in SGLang's ``LlamaForCausalLMEagle3`` layout. The other
+    arguments: see :class:`~trainer.training.frozen_target.FrozenTargetTraining`.
     """
 
     def __init__(
@@ -162,33 +154,33 @@ class Eagle3Training(FrozenTargetTraining):
         intermediate_size: int | None = None,
         init_lm_head: bool = True,
         init_from: str | None = None,
-        target_dtype: str = "float32",
-        topk: int = 32,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
         warmup_steps: int = 100,
-        min_lr_ratio: float = 0.1,
-        export_dir: str | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
         if ttt_steps < 1:
             raise UserError(f"model.ttt_steps must be at least 1, got {ttt_steps}")
-        self.save_hyperparameters()
-        self._step_sums: dict[str, torch.Tensor] = {}
+        super().__init__(target=target, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, **kwargs)
+        self.draft_vocab_size = draft_vocab_size
+        self.ttt_steps = ttt_steps
+        self.step_decay = step_decay
+        self.intermediate_size = intermediate_size
+        self.init_lm_head = init_lm_head
+        self.init_from = init_from
 
     family = "EAGLE-3"
 
     # ---- model --------------------------------------------------------------------------------------------
     def build_drafter(self, target: PreTrainedModel) -> Eagle3DraftModel:
-        hp = self.hparams
-        if hp.init_from:
-            return self.load_drafter(Eagle3DraftModel)
-        overrides = {"intermediate_size": hp.intermediate_size} if hp.intermediate_size else {}
-        drafter = Eagle3DraftModel(build_config(target.config, hp.draft_vocab_size, **overrides))
+        if self.init_from:
+            return self.load_drafter(Eagle3DraftModel, self.init_from)
+        overrides = {"intermediate_size": self.intermediate_size} if self.intermediate_size else {}
+        drafter = Eagle3DraftModel(build_config(target.config, self.draft_vocab_size, **overrides))
         drafter.set_draft_vocab(self._training_vocab(target.config.vocab_size))
-        if hp.init_lm_head:
+        if self.init_lm_head:
             with torch.no_grad():
-                rows = drafter.to_target(torch.arange(hp.draft_vocab_size))
+                rows = drafter.to_target(torch.arange(self.draft_vocab_size))
                 drafter.lm_head.weight.copy_(target.get_output_embeddings().weight[rows].float())
         return drafter
 
@@ -208,8 +200,9 @@ class Eagle3Training(FrozenTargetTraining):
             )
         # configure_model runs after the datamodule's setup and before a checkpoint restores the data position,
         # so building the loader here neither fails nor moves a resumed run's position.
-        counts = loss_token_counts(datamodule.train_dataloader().dataset, vocab_size)
-        return DraftVocab.from_counts(counts, self.hparams.draft_vocab_size)
+        dataset = datamodule.train_dataloader().dataset
+        counts = loss_token_counts((dataset[i] for i in range(len(dataset))), vocab_size)
+        return DraftVocab.from_counts(counts, self.draft_vocab_size)
 
     # ---- the unroll ---------------------------------------------------------------------------------------
     def unroll(self, batch: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[TTTStep]]:
@@ -219,7 +212,7 @@ class Eagle3Training(FrozenTargetTraining):
         hidden = drafter.fuse(batch["features"].to(dtype))
         cache = drafter.make_cache()
         outputs, steps = [], []
-        for i in range(self.hparams.ttt_steps):
+        for i in range(self.ttt_steps):
             step = ttt_step(batch["input_ids"], batch["loss_mask"], batch["position_ids"], batch["doc_ids"], i)
             embeds = self.target.embed_tokens(step.tokens).to(dtype)
             mask = ttt_attention_mask(batch["doc_ids"], i, dtype)
@@ -230,21 +223,19 @@ class Eagle3Training(FrozenTargetTraining):
 
     def _forward(self, batch: dict[str, torch.Tensor]):
         """The weighted loss and, per step: draft logits, step, teacher top-k, restricted teacher, loss mask."""
-        batch = with_features(batch, self.target, self.hparams.topk)
+        batch = with_features(batch, self.target, self.topk)
         vocab = self.drafter.draft_vocab
         outputs, steps = self.unroll(batch)
         loss = torch.zeros((), device=self.device)
         per_step = []
         for i, (hidden, step) in enumerate(zip(outputs, steps, strict=True)):
             logits = self.drafter.logits(hidden)
-            index = step.teacher_index[..., None].expand(-1, -1, batch["teacher_topk_ids"].shape[-1])
-            t_ids = batch["teacher_topk_ids"].gather(1, index)
-            t_lp = batch["teacher_topk_logprobs"].gather(1, index)
+            t_ids, t_lp = teacher_at(batch, step.teacher_index)
             d_ids, d_logp, in_vocab = draft_teacher(t_ids, t_lp, vocab)
             mask = step.label_mask & in_vocab[..., 0]
             ce, kl = soft_cross_entropy_and_kl(logits, d_ids, d_logp, in_vocab)
             m = mask.float()
-            loss = loss + self.hparams.step_decay**i * (ce * m).sum() / m.sum().clamp(min=1)
+            loss = loss + self.step_decay**i * (ce * m).sum() / m.sum().clamp(min=1)
             per_step.append((logits, step, t_ids, kl, mask))
         return loss, per_step
 
@@ -273,50 +264,44 @@ class Eagle3Training(FrozenTargetTraining):
             sums["count"].append(valid.sum())
             sums["kl"].append((kl * mask.float()).sum())
             sums["kl_count"].append(mask.float().sum())
-        for key, values in sums.items():
-            # Shape: (S,) sums over the batch, one entry per unrolled step
-            total = torch.stack(values).detach().cpu()
-            self._step_sums[key] = self._step_sums.get(key, 0) + total
+        # Shape: (S,) sums over the batch, one entry per unrolled step
+        self.val_sums.add({key: torch.stack(values) for key, values in sums.items()})
 
     # ---- per-step metrics ---------------------------------------------------------------------------------
-    def on_validation_epoch_start(self) -> None:
-        self._step_sums = {}
-
     def step_table(self) -> dict[str, list[float]]:
         """Per-step means ``{top1, top5, kl: [value at step 0..S-1]}`` plus the position counts."""
-        if not self._step_sums:
+        if not self.val_sums:
             return {}
-        sums = self._step_sums
+        sums = self.val_sums
         return {
-            "top1": (sums["top1"] / sums["count"].clamp(min=1)).tolist(),
-            "top5": (sums["top5"] / sums["count"].clamp(min=1)).tolist(),
-            "kl": (sums["kl"] / sums["kl_count"].clamp(min=1)).tolist(),
+            "top1": sums.mean("top1", "count").tolist(),
+            "top5": sums.mean("top5", "count").tolist(),
+            "kl": sums.mean("kl", "kl_count").tolist(),
             "count": sums["count"].tolist(),
         }
 
-    def on_validation_epoch_end(self) -> None:
+    def validation_metrics(self) -> dict[str, float]:
         table = self.step_table()
-        for stat in ("top1", "top5", "kl"):
-            for i, value in enumerate(table.get(stat, [])):
-                self.log(f"val_step/{stat}/s{i}", value, sync_dist=True)
-        if self.trainer.state.fn == "validate" and self.trainer.is_global_zero:
-            self.print_table()
+        stats = ("top1", "top5", "kl")
+        return {f"val_step/{stat}/s{i}": value for stat in stats for i, value in enumerate(table.get(stat, []))}
 
     def print_table(self) -> None:
         """Per unrolled step: top-1/top-5 agreement with the target and KL to it."""
         table = self.step_table()
         if not table:
             return
-        t = Table(title="per-step agreement with the target (validation, teacher-forced inputs)")
-        for column in ("step", "predicts", "top1", "top5", "kl", "positions"):
-            t.add_column(column)
-        for i, count in enumerate(table["count"]):
-            t.add_row(
-                str(i),
-                f"x(t+{i + 2})",  # round brackets: rich reads square ones as markup
-                f"{table['top1'][i]:.3f}",
-                f"{table['top5'][i]:.3f}",
-                f"{table['kl'][i]:.3f}",
-                str(int(count)),
-            )
-        Console().print(t)
+        show_table(
+            "per-step agreement with the target (validation, teacher-forced inputs)",
+            ["step", "predicts", "top1", "top5", "kl", "positions"],
+            [
+                [
+                    str(i),
+                    f"x(t+{i + 2})",  # round brackets: rich reads square ones as markup
+                    f"{table['top1'][i]:.3f}",
+                    f"{table['top5'][i]:.3f}",
+                    f"{table['kl'][i]:.3f}",
+                    str(int(count)),
+                ]
+                for i, count in enumerate(table["count"])
+            ],
+        )

@@ -16,17 +16,19 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from trainer.errors import UserError
-from trainer.export_util import save_hf_dir
+from trainer.io import write_dir_atomic
 from trainer.optim import adamw_warmup_cosine
 from trainer.paths import project_path
 from trainer.target import Target, load_causal_lm
+from trainer.training.metrics import MetricSums
 
 
 class FrozenTargetTraining(L.LightningModule):
     """Base of the LightningModules that train a drafter against a frozen target.
 
-    Each subclass keeps its own typed ``__init__`` (the recipe schema) and calls ``save_hyperparameters()``; the
-    arguments below are read from ``self.hparams`` and mean the same in every family.
+    The arguments below mean the same in every family; a subclass declares its own arguments and passes these
+    on with ``**kwargs`` (re-declaring one only to give its family another default), so the recipe schema of a
+    family is its signature plus this one.
 
     Args:
         target: HF causal LM (directory or hub id) the drafter is trained against.
@@ -36,17 +38,37 @@ class FrozenTargetTraining(L.LightningModule):
         weight_decay: AdamW weight decay on matrices.
         warmup_steps: linear warm-up steps.
         min_lr_ratio: cosine floor as a fraction of ``lr``.
-        seed: sampling seed (draws are a function of seed and step, so a resumed run draws the same).
         export_dir: HF directory written at the end of fit; default ``<run>/hf``.
     """
 
     # The drafter family as messages name it ("DFlash", "EAGLE-3", ...).
     family: ClassVar[str]
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        target: str,
+        target_dtype: str = "float32",
+        topk: int = 32,
+        lr: float = 1e-3,
+        weight_decay: float = 0.01,
+        warmup_steps: int = 50,
+        min_lr_ratio: float = 0.1,
+        export_dir: str | None = None,
+    ) -> None:
         super().__init__()
+        # Checkpoints and TensorBoard record every family's arguments, these and the subclass's alike.
+        self.save_hyperparameters()
+        self.target_path = target
+        self.target_dtype = target_dtype
+        self.topk = topk
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.warmup_steps = warmup_steps
+        self.min_lr_ratio = min_lr_ratio
+        self.export_dir = export_dir
         self.target: Target | None = None
         self.drafter: torch.nn.Module | None = None
+        self.val_sums = MetricSums()
 
     # ---- model --------------------------------------------------------------------------------------------
     @abstractmethod
@@ -56,7 +78,7 @@ class FrozenTargetTraining(L.LightningModule):
     def configure_model(self) -> None:
         if self.drafter is not None:
             return
-        model = load_causal_lm(str(project_path(self.hparams.target)), self.hparams.target_dtype)
+        model = load_causal_lm(str(project_path(self.target_path)), self.target_dtype)
         self.drafter = self.build_drafter(model)
         self.check_drafter_fits(model.config)
         self.target = Target(model, self.layer_ids)
@@ -66,9 +88,9 @@ class FrozenTargetTraining(L.LightningModule):
         """Target layer ids the drafter reads (HF ``hidden_states[l + 1]``)."""
         return list(self.drafter.target_layer_ids)
 
-    def load_drafter(self, model_class: type[PreTrainedModel]) -> PreTrainedModel:
+    def load_drafter(self, model_class: type[PreTrainedModel], init_from: str) -> PreTrainedModel:
         """The ``model_class`` drafter saved at ``init_from``, in float32."""
-        path = project_path(self.hparams.init_from)
+        path = project_path(init_from)
         if not (path / "config.json").is_file():
             raise UserError(f"model.init_from: no {self.family} checkpoint at {path}")
         return model_class.from_pretrained(str(path), dtype=torch.float32)
@@ -88,7 +110,7 @@ class FrozenTargetTraining(L.LightningModule):
         problems = self.fit_problems(target_config.get_text_config())
         if problems:
             raise UserError(
-                f"the {self.family} drafter does not fit the target '{self.hparams.target}': " + "; ".join(problems)
+                f"the {self.family} drafter does not fit the target '{self.target_path}': " + "; ".join(problems)
             )
 
     def on_fit_start(self) -> None:
@@ -107,9 +129,13 @@ class FrozenTargetTraining(L.LightningModule):
         params = self.trainable_parameters()
         if not params:
             raise UserError("nothing to train: every drafter parameter is frozen")
-        hp = self.hparams
         return adamw_warmup_cosine(
-            params, hp.lr, hp.weight_decay, hp.warmup_steps, self.trainer.estimated_stepping_batches, hp.min_lr_ratio
+            params,
+            self.lr,
+            self.weight_decay,
+            self.warmup_steps,
+            self.trainer.estimated_stepping_batches,
+            self.min_lr_ratio,
         )
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -125,9 +151,30 @@ class FrozenTargetTraining(L.LightningModule):
 
     def export(self) -> Path:
         """Write the drafter as an HF directory (``export_dir`` or ``<run>/hf``)."""
-        out = Path(self.hparams.export_dir or Path(self.trainer.log_dir or ".") / "hf")
-        save_hf_dir(out, self.drafter.save_pretrained)
+        out = Path(self.export_dir or Path(self.trainer.log_dir or ".") / "hf")
+        write_dir_atomic(out, self.drafter.save_pretrained)
         return out
+
+    # ---- validation metrics -------------------------------------------------------------------------------------
+    # A validation step adds its batch's sums to ``val_sums``; at the end of the epoch ``validation_metrics``
+    # turns them into the logged means and ``print_table`` into the printed table.
+    def on_validation_epoch_start(self) -> None:
+        self.val_sums.clear()
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            # The sanity pass sees untrained weights: its sums reach neither the logs nor the table printed at
+            # the end of fit.
+            self.val_sums.clear()
+            return
+        for name, value in self.validation_metrics().items():
+            self.log(name, value, sync_dist=True)
+        if self.trainer.state.fn == "validate" and self.trainer.is_global_zero:
+            self.print_table()
+
+    @abstractmethod
+    def validation_metrics(self) -> dict[str, float]:
+        """The logged means of the sums of this validation epoch, by TensorBoard tag."""
 
     @abstractmethod
     def print_table(self) -> None:

@@ -1,4 +1,4 @@
-"""SpecBlock training (ALGORITHMS.md §5): a test-time-training unroll of blocks, valid-prefix mask, rank head.
+"""SpecBlock training (docs/algorithms.md §5): a test-time-training unroll of blocks, valid-prefix mask, rank head.
 
 Every position ``i`` of a row is a context block (condition ``P f_i``, token ``x_i``); its slot ``k`` is labelled
 ``x_{i+1+k}`` and distilled from the target's distribution at ``i+k`` (forward KL on the teacher's top-k). Up to
@@ -26,13 +26,12 @@ Recipe ``recipes/specblock_tiny.yaml`` trains on the shipped tiny target; on CPU
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
 from transformers import DynamicCache, PreTrainedModel
 
-from trainer.data.features import with_features
+from trainer.data.features import teacher_at, with_features
 from trainer.drafters.specblock import (
     SpecBlockDraftModel,
     build_config,
@@ -43,8 +42,9 @@ from trainer.drafters.specblock import (
 )
 from trainer.errors import UserError
 from trainer.losses import forward_kl_topk, tvd_topk
-from trainer.training.blocks import sample_anchors
+from trainer.training.block_batches import anchor_generator, sample_anchors
 from trainer.training.frozen_target import FrozenTargetTraining
+from trainer.training.metrics import show_table
 
 
 # ---- chains (pure functions) -------------------------------------------------------------------------------------
@@ -144,43 +144,41 @@ class SpecBlockTraining(FrozenTargetTraining):
         intermediate_size: int | None = None,
         rank_hidden_size: int = 256,
         init_from: str | None = None,
-        target_dtype: str = "float32",
-        topk: int = 32,
-        lr: float = 1e-3,
-        weight_decay: float = 0.01,
-        warmup_steps: int = 50,
-        min_lr_ratio: float = 0.1,
         seed: int = 0,
-        export_dir: str | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
         if num_blocks < 1:
             raise UserError(f"model.num_blocks must be at least 1 (the context block), got {num_blocks}")
         if not 0.0 <= rank_smoothing < 1.0:
             raise UserError(f"model.rank_smoothing must be in [0, 1), got {rank_smoothing}")
         if max_anchors < 1:
             raise UserError(f"model.max_anchors must be at least 1, got {max_anchors}")
-        self.save_hyperparameters()
-        self._sums: dict[str, torch.Tensor] = {}
+        super().__init__(target=target, **kwargs)
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.slot_decay = slot_decay
+        self.rank_smoothing = rank_smoothing
+        self.max_anchors = max_anchors
+        self.target_layer_ids = target_layer_ids
+        self.intermediate_size = intermediate_size
+        self.rank_hidden_size = rank_hidden_size
+        self.init_from = init_from
+        self.seed = seed
 
     family = "SpecBlock"
 
     # ---- model --------------------------------------------------------------------------------------------
     def build_drafter(self, target: PreTrainedModel) -> SpecBlockDraftModel:
-        hp = self.hparams
-        if hp.init_from:
-            return self.load_drafter(SpecBlockDraftModel)
-        overrides = {"intermediate_size": hp.intermediate_size} if hp.intermediate_size else {}
+        if self.init_from:
+            return self.load_drafter(SpecBlockDraftModel, self.init_from)
+        overrides = {"intermediate_size": self.intermediate_size} if self.intermediate_size else {}
         config = build_config(
-            target.config, hp.num_layers, hp.block_size, hp.target_layer_ids, hp.rank_hidden_size, **overrides
+            target.config, self.num_layers, self.block_size, self.target_layer_ids, self.rank_hidden_size, **overrides
         )
         return SpecBlockDraftModel(config)
 
     # ---- the unroll ---------------------------------------------------------------------------------------
-    def _generator(self) -> torch.Generator:
-        seed = self.hparams.seed if not self.training else self.hparams.seed * 1_000_003 + self.global_step
-        return torch.Generator().manual_seed(seed)
-
     def _score(
         self,
         batch: dict[str, torch.Tensor],
@@ -205,10 +203,7 @@ class SpecBlockTraining(FrozenTargetTraining):
         counted = labelled & at(batch["loss_mask"], index).bool()
 
         # The target's distribution at s+k predicts the label; index >= 1 since s >= 0.
-        teacher_index = (index - 1).flatten(1)[..., None]
-        top = batch["teacher_topk_ids"].shape[-1]
-        teacher_ids = batch["teacher_topk_ids"].gather(1, teacher_index.expand(-1, -1, top)).view(*index.shape, top)
-        teacher_lp = batch["teacher_topk_logprobs"].gather(1, teacher_index.expand(-1, -1, top)).view(*index.shape, top)
+        teacher_ids, teacher_lp = teacher_at(batch, index - 1)
 
         normed = self.drafter.norm(hidden)
         with torch.no_grad():
@@ -238,14 +233,14 @@ class SpecBlockTraining(FrozenTargetTraining):
 
     def unroll(self, batch: dict[str, torch.Tensor]) -> list[BlockResult]:
         """The context blocks of every position, then ``num_blocks - 1`` launched blocks per anchor."""
-        batch = with_features(batch, self.target, self.hparams.topk)
+        batch = with_features(batch, self.target, self.topk)
         drafter = self.drafter
         ids, doc, positions = batch["input_ids"], batch["doc_ids"], batch["position_ids"]
         b, t = ids.shape
         k = drafter.block_size
         dtype = drafter.fuse.weight.dtype
         embed = self.target.embed_tokens
-        generator = self._generator()
+        generator = anchor_generator(self.seed, self.global_step if self.training else None)
         cache = DynamicCache(config=drafter.config)
 
         rows = torch.arange(t, device=ids.device).expand(b, t)
@@ -258,10 +253,10 @@ class SpecBlockTraining(FrozenTargetTraining):
         )
         live = doc > 0
         results = [self._score(batch, hidden, rows, rows, live, live)]
-        if self.hparams.num_blocks == 1:
+        if self.num_blocks == 1:
             return results
 
-        anchors, anchor_ok = sample_anchors(batch["loss_mask"], doc, self.hparams.max_anchors, generator)
+        anchors, anchor_ok = sample_anchors(batch["loss_mask"], doc, self.max_anchors, generator)
         a = anchors.clamp(min=0)
         n = a.shape[1]
         pick = lambda x: x[torch.arange(b, device=ids.device)[:, None], a]  # noqa: E731
@@ -278,7 +273,7 @@ class SpecBlockTraining(FrozenTargetTraining):
         slot = torch.arange(k, device=ids.device)
         prev_keys = a[..., None] * k + slot
 
-        for _ in range(self.hparams.num_blocks - 1):
+        for _ in range(self.num_blocks - 1):
             j = choose_launch_slots(prev_through, generator)
             visible = visible | torch.zeros_like(visible).scatter(2, prev_keys, slot <= j[..., None])
             condition = prev_hidden.gather(2, j[..., None, None].expand(-1, -1, 1, prev_hidden.shape[-1])).squeeze(2)
@@ -315,12 +310,11 @@ class SpecBlockTraining(FrozenTargetTraining):
         return torch.stack(means), torch.stack(present)
 
     def losses(self, results: list[BlockResult]) -> dict[str, torch.Tensor]:
-        hp = self.hparams
         kl = [forward_kl_topk(r.logits, r.teacher_ids, r.teacher_lp) for r in results]
         num_classes = results[0].rank_logits.shape[-1]
         rank = [
             -(
-                ordinal_targets(r.rank_target, num_classes, hp.rank_smoothing) * r.rank_logits.float().log_softmax(-1)
+                ordinal_targets(r.rank_target, num_classes, self.rank_smoothing) * r.rank_logits.float().log_softmax(-1)
             ).sum(-1)
             for r in results
         ]
@@ -329,7 +323,7 @@ class SpecBlockTraining(FrozenTargetTraining):
         p = present.float()
         # Shape: (K,) the mean over blocks of each slot's mean KL
         kl_per_slot = (kl_means * p).sum(0) / p.sum(0).clamp(min=1)
-        decay = hp.slot_decay ** torch.arange(kl_per_slot.shape[0], device=kl_per_slot.device, dtype=torch.float32)
+        decay = self.slot_decay ** torch.arange(kl_per_slot.shape[0], device=kl_per_slot.device, dtype=torch.float32)
         kl_loss = (decay * kl_per_slot).sum()
         rank_loss = (rank_means * p).sum() / p.sum().clamp(min=1)
         counted = sum(r.counted.sum() for r in results)
@@ -370,55 +364,45 @@ class SpecBlockTraining(FrozenTargetTraining):
             stats["top1"].append(per_slot(r.logits.argmax(-1) == r.teacher_ids[:, 0], r))
             stats["tvd"].append(per_slot(tvd_topk(r.logits, r.teacher_ids, r.teacher_lp), r))
             stats["rank_acc"].append(per_slot(r.rank_logits.argmax(-1) == r.rank_target, r))
-        for key, values in stats.items():
-            total = torch.stack(values).detach().cpu()
-            self._sums[key] = self._sums.get(key, 0) + total
-
-    def on_validation_epoch_start(self) -> None:
-        self._sums = {}
+        # Shape: (n_blocks, K) per stat
+        self.val_sums.add({key: torch.stack(values) for key, values in stats.items()})
 
     def depth_table(self) -> dict[str, list[list[float]]]:
         """``{stat: [[value at slot 0..K-1] per block]}``: valid is the share of counted slots (labelled, under
         the loss mask) whose chain was correct before them; top1, tvd and rank_acc are means over valid slots."""
-        if not self._sums:
+        if not self.val_sums:
             return {}
-        valid = self._sums["valid"]
-        out = {"valid": (valid / self._sums["counted"].clamp(min=1)).tolist(), "count": valid.tolist()}
+        out = {"valid": self.val_sums.mean("valid", "counted").tolist(), "count": self.val_sums["valid"].tolist()}
         for stat in ("top1", "tvd", "rank_acc"):
-            out[stat] = (self._sums[stat] / valid.clamp(min=1)).tolist()
+            out[stat] = self.val_sums.mean(stat, "valid").tolist()
         return out
 
-    def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking:
-            # The sanity pass sees an untrained drafter; the table printed at fit end must not be its.
-            self._sums = {}
-            return
+    def validation_metrics(self) -> dict[str, float]:
         table = self.depth_table()
-        for stat in ("valid", "top1", "tvd", "rank_acc"):
-            for block, row in enumerate(table.get(stat, [])):
-                for slot, value in enumerate(row):
-                    if table["count"][block][slot] > 0:
-                        self.log(f"val_depth/{stat}/b{block + 1}s{slot}", value, sync_dist=True)
-        if self.trainer.state.fn == "validate" and self.trainer.is_global_zero:
-            self.print_table()
+        return {
+            f"val_depth/{stat}/b{block + 1}s{slot}": value
+            for stat in ("valid", "top1", "tvd", "rank_acc")
+            for block, row in enumerate(table.get(stat, []))
+            for slot, value in enumerate(row)
+            if table["count"][block][slot] > 0
+        }
 
     def print_table(self) -> None:
         """Per (block, slot): share of valid slots, top-1 agreement, TVD and rank-head accuracy."""
         table = self.depth_table()
         if not table:
             return
-        t = Table(title="SpecBlock per (block, slot) on validation: valid = chain correct before the slot")
-        for column in ("block", "slot", "valid", "top1", "tvd", "rank acc", "n valid"):
-            t.add_column(column)
-        for block, counts in enumerate(table["count"]):
-            for slot, count in enumerate(counts):
-                t.add_row(
+        show_table(
+            "SpecBlock per (block, slot) on validation: valid = chain correct before the slot",
+            ["block", "slot", "valid", "top1", "tvd", "rank acc", "n valid"],
+            [
+                [
                     str(block + 1),
                     str(slot),
-                    f"{table['valid'][block][slot]:.3f}",
-                    f"{table['top1'][block][slot]:.3f}",
-                    f"{table['tvd'][block][slot]:.3f}",
-                    f"{table['rank_acc'][block][slot]:.3f}",
+                    *[f"{table[stat][block][slot]:.3f}" for stat in ("valid", "top1", "tvd", "rank_acc")],
                     str(int(count)),
-                )
-        Console().print(t)
+                ]
+                for block, counts in enumerate(table["count"])
+                for slot, count in enumerate(counts)
+            ],
+        )

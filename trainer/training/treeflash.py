@@ -1,4 +1,4 @@
-"""TreeFlash training (ALGORITHMS.md §4): a SwiGLU AR-approximator over a pretrained DFlash backbone.
+"""TreeFlash training (docs/algorithms.md §4): a SwiGLU AR-approximator over a pretrained DFlash backbone.
 
 Teacher forcing gives slot ``k`` the ground-truth previous token ``x_{a+k-1}``; the loss is the forward KL to
 the target's distribution with depth-decaying weights. Per-depth KL, TVD and top-1/top-5 coverage of the
@@ -10,6 +10,8 @@ end. The README's main job, on CPU::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -18,7 +20,7 @@ from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
 from trainer.losses import forward_kl_topk, weighted_slot_mean
 from trainer.paths import project_path
-from trainer.training.block import BlockDrafterTraining
+from trainer.training.block_drafter import BlockDrafterTraining
 
 
 class TreeFlashTraining(BlockDrafterTraining):
@@ -28,38 +30,25 @@ class TreeFlashTraining(BlockDrafterTraining):
         target: HF causal LM (directory or hub id) the backbone was trained for.
         backbone: DFlash checkpoint directory (reference format or ours) or a TreeFlash directory to continue.
         freeze_backbone: train only the approximator (the paper finds this about equal to full fine-tuning).
-        gamma: depth decay of the loss weights, ``w_k = exp(-(k-1)/gamma)``.
-        max_anchors: blocks per training row.
-        seed: anchor sampling seed.
-        export_dir: HF directory (reference TreeFlash format) written at the end of fit; default ``<run>/hf``.
+        warmup_steps: linear warm-up steps.
 
-    The other arguments: see :class:`~trainer.training.frozen_target.FrozenTargetTraining`.
+    The end of fit writes the drafter to ``export_dir`` in the reference TreeFlash format. The other arguments:
+    see :class:`~trainer.training.block_drafter.BlockDrafterTraining` and
+    :class:`~trainer.training.frozen_target.FrozenTargetTraining`.
     """
 
     def __init__(
-        self,
-        target: str,
-        backbone: str,
-        freeze_backbone: bool = True,
-        gamma: float = 7.0,
-        max_anchors: int = 32,
-        target_dtype: str = "float32",
-        topk: int = 32,
-        lr: float = 1e-3,
-        weight_decay: float = 0.01,
-        warmup_steps: int = 30,
-        min_lr_ratio: float = 0.1,
-        seed: int = 0,
-        export_dir: str | None = None,
+        self, target: str, backbone: str, freeze_backbone: bool = True, warmup_steps: int = 30, **kwargs: Any
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
+        super().__init__(target=target, warmup_steps=warmup_steps, **kwargs)
+        self.backbone = backbone
+        self.freeze_backbone = freeze_backbone
 
     family = "TreeFlash"
     depth_names = ("dflash", "treeflash")
 
     def build_drafter(self, target: PreTrainedModel) -> TreeFlashDraftModel:
-        source = str(project_path(self.hparams.backbone))
+        source = str(project_path(self.backbone))
         try:
             architectures = PretrainedConfig.get_config_dict(source)[0].get("architectures") or []
         except OSError as e:
@@ -69,7 +58,7 @@ class TreeFlashTraining(BlockDrafterTraining):
         else:
             backbone = DFlashDraftModel.from_pretrained(source, dtype=torch.float32)
             model = TreeFlashDraftModel.from_dflash(backbone)
-        model.model.requires_grad_(not self.hparams.freeze_backbone)
+        model.model.requires_grad_(not self.freeze_backbone)
         return model
 
     @property

@@ -8,25 +8,41 @@ was read from a feature cache (offline); its embedding and LM head are used eith
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
 from transformers import PretrainedConfig
 
-from trainer.data.features import with_features
+from trainer.data.features import teacher_at, with_features
 from trainer.losses import forward_kl_topk, topk_coverage, tvd_topk
-from trainer.training.blocks import Blocks, block_attention_mask, make_blocks, sample_anchors, slot_weights
+from trainer.training.block_batches import (
+    Blocks,
+    anchor_generator,
+    block_attention_mask,
+    make_blocks,
+    sample_anchors,
+    slot_weights,
+)
 from trainer.training.frozen_target import FrozenTargetTraining
+from trainer.training.metrics import show_table
 
 
 class BlockDrafterTraining(FrozenTargetTraining):
-    """Base of block-drafter LightningModules (see the subclasses for the recipe arguments)."""
+    """Base of block-drafter LightningModules.
 
-    def __init__(self) -> None:
-        # Subclasses call save_hyperparameters(); every argument below is read from self.hparams.
-        super().__init__()
-        self._depth_sums: dict[str, torch.Tensor] = {}
+    Args:
+        gamma: depth decay of the slot weights, ``w_k = exp(-(k-1)/gamma)``.
+        max_anchors: blocks per training row.
+        seed: anchor sampling seed (draws are a function of seed and step, so a resumed run draws the same).
+
+    The other arguments: see :class:`~trainer.training.frozen_target.FrozenTargetTraining`.
+    """
+
+    def __init__(self, gamma: float = 7.0, max_anchors: int = 32, seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gamma = gamma
+        self.max_anchors = max_anchors
+        self.seed = seed
 
     @property
     @abstractmethod
@@ -42,11 +58,9 @@ class BlockDrafterTraining(FrozenTargetTraining):
 
     # ---- batches ------------------------------------------------------------------------------------------
     def _blocks(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Blocks]:
-        batch = with_features(batch, self.target, self.hparams.topk)
-        generator = torch.Generator().manual_seed(self.hparams.seed * 1_000_003 + self.global_step)
-        if not self.training:
-            generator.manual_seed(self.hparams.seed)
-        anchors, valid = sample_anchors(batch["loss_mask"], batch["doc_ids"], self.hparams.max_anchors, generator)
+        batch = with_features(batch, self.target, self.topk)
+        generator = anchor_generator(self.seed, self.global_step if self.training else None)
+        anchors, valid = sample_anchors(batch["loss_mask"], batch["doc_ids"], self.max_anchors, generator)
         blocks = make_blocks(
             batch["input_ids"],
             batch["loss_mask"],
@@ -81,16 +95,15 @@ class BlockDrafterTraining(FrozenTargetTraining):
     @staticmethod
     def teacher(batch: dict[str, torch.Tensor], blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher top-k ids and log-probs for every slot (target distribution at a+k-1). Shape: (B, N, K, k)"""
-        idx = blocks.teacher_index.flatten(1)[..., None]
-        ids, lp = batch["teacher_topk_ids"], batch["teacher_topk_logprobs"]
-        k = ids.shape[-1]
-        gather = lambda x: x.gather(1, idx.expand(-1, -1, k)).view(*blocks.teacher_index.shape, k)  # noqa: E731
-        return gather(ids), gather(lp)
+        return teacher_at(batch, blocks.teacher_index)
 
     def slot_weights(self) -> torch.Tensor:
-        return slot_weights(self.dflash.block_size, self.hparams.gamma, device=self.device)
+        return slot_weights(self.dflash.block_size, self.gamma, device=self.device)
 
     # ---- metrics ------------------------------------------------------------------------------------------
+    # The distributions whose per-depth metrics are tracked, in table order.
+    depth_names: tuple[str, ...] = ()
+
     def accumulate_depth_metrics(self, name: str, logits: torch.Tensor, blocks: Blocks, t_ids, t_lp) -> None:
         """Sum per-depth KL, TVD and top-1/top-5 coverage of the target's top token over valid slots."""
         m = blocks.label_mask.float()
@@ -100,56 +113,44 @@ class BlockDrafterTraining(FrozenTargetTraining):
             "tvd": tvd_topk(logits, t_ids, t_lp),
             "top1": topk_coverage(logits, target_token, 1),
             "top5": topk_coverage(logits, target_token, 5),
+            "count": torch.ones_like(m),
         }
-        for stat, value in stats.items():
-            key = f"{name}/{stat}"
-            # Shape: (K,) sums over blocks
-            total = (value * m).sum(dim=(0, 1)).detach().cpu()
-            self._depth_sums[key] = self._depth_sums.get(key, 0) + total
-        count = f"{name}/count"
-        self._depth_sums[count] = self._depth_sums.get(count, 0) + m.sum(dim=(0, 1)).detach().cpu()
-
-    def on_validation_epoch_start(self) -> None:
-        self._depth_sums = {}
+        # Shape: (K,) sums over blocks of the valid slots
+        self.val_sums.add({f"{name}/{stat}": (value * m).sum(dim=(0, 1)) for stat, value in stats.items()})
 
     def depth_table(self) -> dict[str, list[float]]:
         """Per-depth means ``{name/stat: [value at depth 0..K-1]}`` plus ``{name/count: [...]}``."""
         out = {}
-        for key, total in self._depth_sums.items():
+        for key in self.val_sums.sums:
             name, stat = key.split("/")
-            count = self._depth_sums[f"{name}/count"]
-            out[key] = total.tolist() if stat == "count" else (total / count.clamp(min=1)).tolist()
+            out[key] = (self.val_sums[key] if stat == "count" else self.val_sums.mean(key, f"{name}/count")).tolist()
         return out
 
-    def on_validation_epoch_end(self) -> None:
+    def validation_metrics(self) -> dict[str, float]:
+        out = {}
         for key, values in self.depth_table().items():
             name, stat = key.split("/")
             if stat == "count":
                 continue
-            counts = self._depth_sums[f"{name}/count"]
+            counts = self.val_sums[f"{name}/count"]
             for depth, value in enumerate(values):
                 if depth > 0 and counts[depth] > 0:
-                    self.log(f"val_depth/{key}/d{depth:02d}", value, sync_dist=True)
-        if self.trainer.state.fn == "validate" and self.trainer.is_global_zero:
-            self.print_table()
-
-    # The distributions whose per-depth metrics are tracked, in table order.
-    depth_names: tuple[str, ...] = ()
+                    out[f"val_depth/{key}/d{depth:02d}"] = value
+        return out
 
     def print_table(self) -> None:
         """Per-depth TVD and top-1/top-5 coverage of every tracked distribution."""
-        names = self.depth_names
         table = self.depth_table()
         if not table:
             return
-        t = Table(title="per-depth distance to the target (validation)")
-        t.add_column("depth")
-        for name in names:
-            for stat in ("tvd", "top1", "top5"):
-                t.add_column(f"{name} {stat}")
+        names, stats = self.depth_names, ("tvd", "top1", "top5")
         counts = table[f"{names[0]}/count"]
-        for depth in range(1, len(counts)):
-            if counts[depth] == 0:
-                continue
-            t.add_row(str(depth), *[f"{table[f'{n}/{s}'][depth]:.3f}" for n in names for s in ("tvd", "top1", "top5")])
-        Console().print(t)
+        show_table(
+            "per-depth distance to the target (validation)",
+            ["depth", *[f"{name} {stat}" for name in names for stat in stats]],
+            [
+                [str(depth), *[f"{table[f'{n}/{s}'][depth]:.3f}" for n in names for s in stats]]
+                for depth in range(1, len(counts))
+                if counts[depth] > 0
+            ],
+        )

@@ -1,20 +1,20 @@
 """Reduced draft vocabulary for EAGLE-3 style heads: the most frequent target tokens of the training data.
 
-Counts run over loss-masked tokens only (what the drafter must predict). ``d2t[d]`` is the offset that maps
-draft id ``d`` to target id ``d + d2t[d]``; ``t2d`` is a ``[V]`` bool mask of the target ids that have a draft
-id. Draft ids are in target-id order, so ``d2t`` is non-decreasing, as the reference exports have it.
+Counts run over loss-masked tokens only (what the drafter must predict; ``trainer.data.pack.loss_token_counts``).
+``d2t[d]`` is the offset that maps draft id ``d`` to target id ``d + d2t[d]``; ``t2d`` is a ``[V]`` bool mask of
+the target ids that have a draft id. Draft ids are in target-id order, so ``d2t`` is non-decreasing, as the
+reference exports have it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.data.pack import PackedRow
+from trainer.io import atomic_path
 
 
 @dataclass
@@ -36,14 +36,6 @@ class DraftVocab:
         t2d[chosen] = True
         return cls(d2t=chosen - torch.arange(size), t2d=t2d)
 
-    @classmethod
-    def from_rows(cls, rows: Iterable[PackedRow], vocab_size: int, size: int) -> DraftVocab:
-        counts = torch.zeros(vocab_size, dtype=torch.long)
-        for row in rows:
-            ids = torch.tensor(row.input_ids)[torch.tensor(row.loss_mask, dtype=torch.bool)]
-            counts += torch.bincount(ids, minlength=vocab_size)
-        return cls.from_counts(counts, size)
-
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
@@ -53,9 +45,8 @@ class DraftVocab:
         return target_draft[target_ids]
 
     def save(self, path: Path) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({"d2t": self.d2t, "t2d": self.t2d}, str(tmp))
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            save_file({"d2t": self.d2t, "t2d": self.t2d}, str(tmp))
 
     @classmethod
     def load(cls, path: Path) -> DraftVocab:

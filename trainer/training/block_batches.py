@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.masks import additive_mask
+
 
 @dataclass
 class Blocks:
@@ -59,6 +61,12 @@ def sample_anchors(
     for b, pos in enumerate(rows):
         anchors[b, : len(pos)] = pos
     return anchors, anchors >= 0
+
+
+def anchor_generator(seed: int, step: int | None) -> torch.Generator:
+    """The draws of training step ``step``, or of validation (``None``: the same draws every time). A function of
+    seed and step only, so a resumed run draws what the uninterrupted run would have."""
+    return torch.Generator().manual_seed(seed if step is None else seed * 1_000_003 + step)
 
 
 def make_blocks(
@@ -117,9 +125,7 @@ def block_attention_mask(doc_ids: torch.Tensor, blocks: Blocks, dtype: torch.dty
     block_id = torch.arange(n, device=doc_ids.device).repeat_interleave(k)
     own = (block_id[:, None] == block_id[None, :]).expand(b, n * k, n * k)
     allowed = torch.cat([ctx, own], dim=-1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
+    return additive_mask(allowed, dtype)[:, None]
 
 
 def slot_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:

@@ -1,0 +1,66 @@
+"""Writing files and directories so that a kill at any moment leaves the old version or the new one, whole.
+
+A file is written under a hidden temporary name beside it, flushed to disk (``fsync``), then renamed over the
+target; a directory is written beside the old one and swapped in. Readers therefore never see half a
+checkpoint, cache shard, manifest or exported model, and a rerun finds either nothing or a finished file.
+Plain Python and ``os`` only: usable from every part of the package.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temporary path to write ``path``'s new content to; on leaving without an error it replaces ``path``.
+
+    The temporary name starts with a dot and ends in ``.tmp<pid>``, so globs for finished files never match
+    it; an error removes it and leaves ``path`` as it was. A writer that appends its own suffix to a name
+    (``numpy.save``) is given an open file on this path instead.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        _fsync(tmp)
+        os.replace(tmp, path)
+        _fsync(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_dir_atomic(out: Path, save: Callable[[Path], None]) -> None:
+    """``save(tmp)`` into a sibling ``.partial`` directory, then swap it in for ``out``; the old one is removed
+    last, so a kill leaves ``out`` (old or new) or, between the two renames, ``out.old`` whole."""
+    tmp = out.with_name(out.name + ".partial")
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save(tmp)
+    for file in tmp.rglob("*"):
+        if file.is_file():
+            _fsync(file)
+    if out.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+    tmp.rename(out)
+    _fsync(out.parent)
+    shutil.rmtree(old, ignore_errors=True)
