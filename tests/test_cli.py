@@ -97,6 +97,21 @@ def test_misspelt_trainer_key_in_file_and_override(capsys, tmp_path):
     assert code == 2 and "in the override --trainer.max_stepz" in out and "trainer.max_steps" in out
 
 
+def test_drafter_keys_declared_by_the_base_class_are_checked_and_passed_on(capsys):
+    # min_lr_ratio is declared by FrozenTargetTraining and reaches DFlashTraining through **kwargs.
+    code, out = run_main(capsys, "fit", "--recipe", "dflash_tiny", "--model.min_lr_ratoi", "0.2")
+    assert code == 2 and "did you mean: model.min_lr_ratio" in out
+    code, out = run_main(capsys, "fit", "--recipe", "dflash_tiny", "--model.min_lr_ratio", "0.2", "--print_config")
+    assert code == 0
+    init_args = yaml.safe_load(out)["model"]["init_args"]
+    # Base arguments, block-drafter arguments and the recipe's values all resolve.
+    assert (init_args["min_lr_ratio"], init_args["gamma"], init_args["seed"]) == (0.2, 7.0, 0)
+    assert init_args["lr"] == 0.002 and init_args["weight_decay"] == 0.01
+    # A family's own default of a shared argument wins over the base's (EAGLE-3: no weight decay).
+    code, out = run_main(capsys, "fit", "--recipe", "eagle3_tiny", "--print_config")
+    assert code == 0 and yaml.safe_load(out)["model"]["init_args"]["weight_decay"] == 0.0
+
+
 def test_unknown_top_level_key_lists_valid_keys(capsys, tmp_path):
     path = write_recipe(tmp_path, lambda r: r.update(seed_everythin=1))
     code, out = run_main(capsys, "fit", "--recipe", str(path))
