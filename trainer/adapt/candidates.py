@@ -1,0 +1,204 @@
+"""A bounded, recency-weighted table of successor candidates per token: the aggregation behind ``adapt graft``.
+
+Evidence is "after token ``row`` the target put ``cand`` in its top-k with probability ``p``". Each held row keeps
+at most ``candidates`` (C) successors with integer scores (fixed point, ``SCALE`` = probability 1). A batch of
+evidence is applied as one unit, at one tick (the batch index):
+
+1. rows seen for the first time take a free slot; when ``rows`` (R) slots are all held, the least recently
+   touched rows not in this batch are evicted (ties: smaller token id first); rows that still find no slot are
+   dropped, smallest batch weight first, and their weight is counted in ``dropped``.
+2. every touched row decays by ``2 ** (-(tick - touched) / half_life)`` (half-life in ticks), lazily: a row's
+   candidates share one clock, so decay never changes the order inside a row and untouched rows cost nothing.
+3. weights for candidates already in the row are added; new candidates compete with the row's decayed scores,
+   and the row keeps its C best (score descending, token id ascending).
+
+The result of a batch depends on the batch's evidence as a multiset, not on its order: scores are integers
+(sums are exact in any order), every sort is stable on a deterministic key. So replaying the same batches
+gives bit-identical tables, which is what a restart after SIGKILL relies on. Memory is R·C·12 bytes + V·4,
+fixed at construction whatever the traffic.
+
+Try it::
+
+    python -c "import torch; from trainer.adapt.candidates import CandidateTable; t = CandidateTable(16, 4, 3); \\
+        t.add(torch.tensor([1, 1]), torch.tensor([[2, 3], [3, 5]]), torch.tensor([[700, 200], [900, 50]]), 1); \\
+        print(t.adjacency(2))"
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Fixed-point unit of evidence: probability 1.0.
+SCALE = 1 << 10
+# Decay factors are applied as (score * factor) >> _Q with factor = floor(2**_Q * 2**(-Δ/half_life)).
+_Q = 24
+# Scores saturate here so that score * factor never overflows int64.
+_MAX_SCORE = 1 << 32
+
+
+def _stable_order(*keys: torch.Tensor) -> torch.Tensor:
+    """Permutation sorting by ``keys[0]`` ascending, ties by ``keys[1]``, ...: stable sorts, last key first."""
+    order = torch.arange(keys[0].numel())
+    for key in reversed(keys):
+        order = order[torch.sort(key[order], stable=True).indices]
+    return order
+
+
+class CandidateTable:
+    """Successor candidates for at most ``rows`` of ``vocab_size`` tokens; see the module docstring."""
+
+    def __init__(self, vocab_size: int, rows: int, candidates: int, half_life: float = 64.0) -> None:
+        if not 0 < rows <= vocab_size or candidates < 1 or half_life <= 0:
+            raise ValueError(
+                f"need 0 < rows <= vocab_size, candidates >= 1, half_life > 0; got {rows}, "
+                f"{vocab_size}, {candidates}, {half_life}"
+            )
+        self.vocab_size, self.half_life = vocab_size, float(half_life)
+        # Shape: (V,) slot of a token's row, -1 = not held.
+        self.slot = torch.full((vocab_size,), -1, dtype=torch.int32)
+        # Shape: (R,) token held in a slot, -1 = free; tick of the slot's last update.
+        self.row = torch.full((rows,), -1, dtype=torch.int64)
+        self.touched = torch.zeros(rows, dtype=torch.int64)
+        # Shape: (R, C) candidate token ids (-1 = empty) and their scores (0 when empty).
+        self.ids = torch.full((rows, candidates), -1, dtype=torch.int64)
+        self.score = torch.zeros((rows, candidates), dtype=torch.int64)
+        self.dropped = 0
+
+    @property
+    def candidates(self) -> int:
+        return self.ids.shape[1]
+
+    def held(self) -> int:
+        return int((self.row >= 0).sum())
+
+    def add(self, rows: torch.Tensor, cands: torch.Tensor, weights: torch.Tensor, tick: int) -> int:
+        """Apply one batch: ``rows`` (N,) tokens, ``cands`` (N, K) successors (-1 = padding), ``weights``
+        (N, K) int64 in ``SCALE`` units. ``tick`` grows by one per batch. Returns the number of rows touched."""
+        live = (cands >= 0) & (weights > 0)
+        keep = live.any(dim=1)
+        rows, cands, weights, live = rows[keep].long(), cands[keep].long(), weights[keep], live[keep]
+        if rows.numel() == 0:
+            return 0
+        rows, cands, weights, live = self._allocate(rows, cands, weights, live, tick)
+        if rows.numel() == 0:
+            return 0
+        slots = self.slot[rows].long()
+        hit = torch.zeros(self.row.shape[0], dtype=torch.bool)
+        hit[slots] = True
+        self._decay(hit.nonzero().squeeze(1), tick)
+        self._merge(slots, cands, weights, live)
+        self.score.clamp_(max=_MAX_SCORE)
+        return int(hit.sum())
+
+    def _allocate(
+        self, rows: torch.Tensor, cands: torch.Tensor, weights: torch.Tensor, live: torch.Tensor, tick: int
+    ) -> tuple[torch.Tensor, ...]:
+        """Give every new row a slot, evicting least recently touched rows; drop what cannot be held."""
+        new_mask = self.slot[rows] < 0
+        if not new_mask.any():
+            return rows, cands, weights, live
+        new, inverse = torch.unique(rows[new_mask], return_inverse=True)
+        free = (self.row < 0).nonzero().squeeze(1)
+        if new.numel() > free.numel():
+            in_batch = torch.zeros(self.row.shape[0], dtype=torch.bool)
+            in_batch[self.slot[rows[~new_mask]].long()] = True
+            evictable = ((self.row >= 0) & ~in_batch).nonzero().squeeze(1)
+            evictable = evictable[_stable_order(self.touched[evictable], self.row[evictable])]
+            evict = evictable[: new.numel() - free.numel()]
+            self.slot[self.row[evict]] = -1
+            self.row[evict] = -1
+            self.ids[evict] = -1
+            self.score[evict] = 0
+            free = (self.row < 0).nonzero().squeeze(1)
+        if new.numel() > free.numel():
+            total = torch.zeros(new.numel(), dtype=torch.int64).index_add_(0, inverse, weights[new_mask].sum(1))
+            admitted = torch.zeros(new.numel(), dtype=torch.bool)
+            admitted[_stable_order(-total, new)[: free.numel()]] = True
+            self.dropped += int(total[~admitted].sum())
+            keep = torch.ones(rows.numel(), dtype=torch.bool)
+            keep[new_mask] = admitted[inverse]
+            rows, cands, weights, live = rows[keep], cands[keep], weights[keep], live[keep]
+            new = new[admitted]
+        taken = free[: new.numel()]
+        self.slot[new] = taken.to(torch.int32)
+        self.row[taken] = new
+        self.touched[taken] = tick
+        return rows, cands, weights, live
+
+    def _decay(self, slots: torch.Tensor, tick: int) -> None:
+        age = (tick - self.touched[slots]).double()
+        factor = torch.floor(torch.exp2(_Q - age / self.half_life)).long()
+        self.score[slots] = (self.score[slots] * factor[:, None]) >> _Q
+        self.touched[slots] = tick
+
+    def _merge(self, slots: torch.Tensor, cands: torch.Tensor, weights: torch.Tensor, live: torch.Tensor) -> None:
+        # Candidates already in their row: add in place. Shape of the comparison: (N, K, C), done in chunks.
+        flat_score = self.score.view(-1)
+        fresh = torch.zeros_like(live)
+        C = self.candidates
+        for start in range(0, slots.numel(), 1 << 15):
+            s, c, w, lv = (t[start : start + (1 << 15)] for t in (slots, cands, weights, live))
+            eq = c[:, :, None] == self.ids[s][:, None, :]
+            found = eq.any(dim=2) & lv
+            col = eq.to(torch.uint8).argmax(dim=2)
+            flat_score.index_add_(0, (s[:, None] * C + col)[found], w[found])
+            fresh[start : start + (1 << 15)] = lv & ~found
+        if not fresh.any():
+            return
+        # New candidates: sum each (slot, token) pair over the batch, then each affected row keeps its C best
+        # of old and new together.
+        key = slots[:, None].expand_as(cands)[fresh] * self.vocab_size + cands[fresh]
+        pairs, inverse = torch.unique(key, return_inverse=True)
+        new_w = torch.zeros(pairs.numel(), dtype=torch.int64).index_add_(0, inverse, weights[fresh])
+        new_slot, new_id = pairs // self.vocab_size, pairs % self.vocab_size
+        affected = torch.unique(new_slot)
+        old_ids, old_score = self.ids[affected], self.score[affected]
+        occupied = old_ids >= 0
+        all_slot = torch.cat([affected[:, None].expand_as(old_ids)[occupied], new_slot])
+        all_id = torch.cat([old_ids[occupied], new_id])
+        all_score = torch.cat([old_score[occupied], new_w])
+        order = _stable_order(all_slot, -all_score, all_id)
+        all_slot, all_id, all_score = all_slot[order], all_id[order], all_score[order]
+        first = torch.searchsorted(all_slot, all_slot)
+        rank = torch.arange(all_slot.numel()) - first
+        kept = rank < C
+        self.ids[affected] = -1
+        self.score[affected] = 0
+        self.ids[all_slot[kept], rank[kept]] = all_id[kept]
+        self.score[all_slot[kept], rank[kept]] = all_score[kept]
+
+    def adjacency(self, width: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """(V, width) best successors per token, score descending (ties: smaller id), -1 = empty."""
+        out = torch.full((self.vocab_size, width), -1, dtype=dtype)
+        held = (self.row >= 0).nonzero().squeeze(1)
+        if held.numel() == 0:
+            return out
+        ids, score = self.ids[held], self.score[held]
+        # Empty and fully decayed candidates sort last; within a row: score descending, then id ascending.
+        score = torch.where((ids >= 0) & (score > 0), score, torch.full_like(score, -1))
+        by_id = torch.sort(torch.where(score >= 0, ids, torch.full_like(ids, self.vocab_size)), dim=1, stable=True)
+        score = score.gather(1, by_id.indices)
+        by_score = torch.sort(score, dim=1, descending=True, stable=True)
+        best = by_id.values.gather(1, by_score.indices)[:, :width]
+        best = torch.where(by_score.values[:, :width] > 0, best, torch.full_like(best, -1))
+        if best.shape[1] < width:
+            best = torch.cat([best, best.new_full((best.shape[0], width - best.shape[1]), -1)], dim=1)
+        out[self.row[held]] = best.to(dtype)
+        return out
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors that restore this table exactly (``slot`` is derived from ``row``)."""
+        return {"row": self.row, "touched": self.touched, "ids": self.ids, "score": self.score}
+
+    @classmethod
+    def from_state(
+        cls, tensors: dict[str, torch.Tensor], vocab_size: int, half_life: float, dropped: int
+    ) -> CandidateTable:
+        rows, candidates = tensors["ids"].shape
+        table = cls(vocab_size, rows, candidates, half_life)
+        table.row, table.touched = tensors["row"].clone(), tensors["touched"].clone()
+        table.ids, table.score = tensors["ids"].clone(), tensors["score"].clone()
+        held = (table.row >= 0).nonzero().squeeze(1)
+        table.slot[table.row[held]] = held.to(torch.int32)
+        table.dropped = dropped
+        return table

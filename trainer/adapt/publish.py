@@ -1,0 +1,218 @@
+"""Versioned snapshots that a reader never sees torn: what the adaptation daemons publish and servers load.
+
+Layout of a publish directory ``PUB``::
+
+    PUB/current                 one line: the name of the newest complete version directory
+    PUB/v000007/manifest.json   version, parent, what it was built from, metrics
+    PUB/v000007/adjacency.safetensors        (graft) tensor ``adjacency`` (V, k) token ids, -1 = empty
+    PUB/v000007/tenant-NAME.safetensors      (graft) a tenant's delta, same tensor name and shape
+
+A version is written into a hidden temporary directory, every file and the directory fsynced, then renamed to
+``vNNNNNN``; only then is ``current`` replaced (``os.replace`` of a fsynced temporary file). A kill at any
+moment leaves ``current`` naming a whole version; a failed publish (no space, no permission) removes its
+temporary directory, leaves ``current`` as it was and raises :class:`PublishError` saying why. The newest
+``keep`` versions stay on disk so that a reader holding an older path can finish loading it.
+
+Try it on CPU::
+
+    python -c "from pathlib import Path; from trainer.adapt.publish import publish, read_current; \\
+        publish(Path('/tmp/pub'), lambda d: (d / 'x.txt').write_text('hi'), {}); print(read_current(Path('/tmp/pub')))"
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from hashlib import sha256
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from trainer.errors import UserError
+
+CURRENT = "current"
+MANIFEST = "manifest.json"
+ADJACENCY = "adjacency.safetensors"
+ADJACENCY_TENSOR = "adjacency"
+_VERSION_DIR = re.compile(r"v(\d{6,})")
+# Characters a tenant name keeps in its file name; everything else is percent-encoded (injective: '%' itself
+# is encoded), and a name whose encoding is long becomes a hash so that no file name exceeds the OS limit.
+_SAFE = re.compile(r"[A-Za-z0-9_-]")
+_MAX_NAME = 120
+
+
+class PublishError(UserError):
+    """A snapshot could not be published or read; the message says which file and why."""
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that a kill leaves either the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tenant_filename(tenant: str) -> str:
+    """``tenant-NAME.safetensors`` with NAME safe for any filesystem; distinct tenants get distinct names."""
+    encoded = "".join(c if _SAFE.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode()) for c in tenant)
+    if len(encoded) > _MAX_NAME:
+        # '~' is never produced by the encoding above, so a hashed name cannot equal an encoded one.
+        encoded = "~" + sha256(tenant.encode()).hexdigest()
+    return f"tenant-{encoded}.safetensors"
+
+
+def _versions(root: Path) -> list[int]:
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _VERSION_DIR.fullmatch(p.name)) and p.is_dir())
+
+
+@contextlib.contextmanager
+def _exclusive(root: Path) -> Iterator[None]:
+    """One publisher at a time per directory: two daemons on one ``PUB`` would otherwise race on versions."""
+    with open(root / ".lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PublishError(f"another process is publishing into {root}; run one daemon per directory") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _reason(e: OSError) -> str:
+    where = f" ({e.filename})" if e.filename else ""
+    return f"{e.strerror or e}{where}"
+
+
+def publish(root: Path, payload: Callable[[Path], None], manifest: dict, keep: int = 5) -> int:
+    """Publish a new version under ``root``; returns its number.
+
+    ``payload(directory)`` writes the version's files into a fresh directory; ``manifest`` is stored as
+    ``manifest.json`` with ``version`` and ``parent`` (the version that was current, or None) added. Versions
+    older than the newest ``keep`` are removed afterwards.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    root = Path(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with _exclusive(root):
+            return _publish_locked(root, payload, manifest, keep)
+    except OSError as e:
+        try:
+            current = read_current(root) if root.is_dir() else None
+        except PublishError:
+            current = None
+        still = f"v{current[0]:06d} is still current" if current else "nothing is current"
+        raise PublishError(f"could not publish a snapshot into {root}: {_reason(e)}; {still}") from e
+
+
+def _publish_locked(root: Path, payload: Callable[[Path], None], manifest: dict, keep: int) -> int:
+    for stale in root.glob(".tmp-v*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    current = read_current(root)
+    # A kill between the directory rename and the pointer swap leaves a complete but unnamed version; the next
+    # one is numbered past it so that version numbers never repeat.
+    version = max([0, *_versions(root)]) + 1
+    name = f"v{version:06d}"
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    try:
+        tmp.mkdir()
+        payload(tmp)
+        full = {**manifest, "version": version, "parent": current[0] if current else None}
+        (tmp / MANIFEST).write_text(json.dumps(full, indent=1, sort_keys=True))
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(tmp)
+        os.rename(tmp, root / name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(root)
+    write_atomic(root / CURRENT, f"{name}\n".encode())
+    for old in _versions(root)[:-keep]:
+        shutil.rmtree(root / f"v{old:06d}", ignore_errors=True)
+    return version
+
+
+def read_current(root: Path) -> tuple[int, Path] | None:
+    """``(version, directory)`` of the version ``root/current`` names; None when nothing was published."""
+    pointer = Path(root) / CURRENT
+    try:
+        name = pointer.read_text().strip()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise PublishError(f"cannot read {pointer}: {_reason(e)}") from e
+    m = _VERSION_DIR.fullmatch(name)
+    if m is None:
+        raise PublishError(f"{pointer} holds {name[:40]!r}, not a version directory name like v000001")
+    directory = Path(root) / name
+    if not (directory / MANIFEST).is_file():
+        raise PublishError(f"{pointer} names {name}, but {directory / MANIFEST} does not exist")
+    return int(m.group(1)), directory
+
+
+def read_manifest(version_dir: Path) -> dict:
+    """The manifest of a published version."""
+    path = Path(version_dir) / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PublishError(f"cannot read the snapshot manifest {path}: {e}") from e
+
+
+def _load_tensor(path: Path) -> torch.Tensor:
+    try:
+        tensors = load_file(path)
+    except (OSError, SafetensorError) as e:
+        raise PublishError(f"cannot load {path}: {e}") from e
+    tensor = tensors.get(ADJACENCY_TENSOR)
+    if tensor is None or tensor.dim() != 2 or tensor.dtype not in (torch.int32, torch.int64):
+        raise PublishError(f"{path} holds no integer 2-D tensor {ADJACENCY_TENSOR!r} (V, k)")
+    return tensor.long()
+
+
+def load_adjacency(version_dir: Path, tenant: str | None = None) -> torch.Tensor:
+    """The published adjacency (V, k) int64 token ids, -1 = empty; with ``tenant``, the rows that tenant's
+    delta fills replace the shared ones (a tenant without a delta gets the shared matrix)."""
+    version_dir = Path(version_dir)
+    adjacency = _load_tensor(version_dir / ADJACENCY)
+    if tenant is None:
+        return adjacency
+    delta_path = version_dir / tenant_filename(tenant)
+    if not delta_path.is_file():
+        return adjacency
+    delta = _load_tensor(delta_path)
+    if delta.shape != adjacency.shape:
+        raise PublishError(
+            f"{delta_path} has shape {tuple(delta.shape)}, the shared adjacency {tuple(adjacency.shape)}"
+        )
+    filled = (delta >= 0).any(dim=1)
+    adjacency[filled] = delta[filled]
+    return adjacency
