@@ -1,0 +1,262 @@
+"""Verifier log v1: the validator rejects each kind of bad record with its reason, the writer's segments read
+back through the reader exactly once each (rotation, partial lines, the finishing rename), and hostile files
+cost neither a crash nor a lost record."""
+
+import json
+import math
+import os
+import time
+import tracemalloc
+
+import pytest
+
+from trainer.errors import UserError
+from trainer.vlog.reader import LogReader
+from trainer.vlog.schema import RecordError, request_record, step_record, validate
+from trainer.vlog.writer import LogWriter
+
+V = 100
+
+
+def step(request: str = "r0", n: int = 3, k: int = 8, **overrides) -> dict:
+    """A valid step record: a chain of ``n`` draft nodes, the first two accepted."""
+    record = step_record(
+        server="s",
+        request=request,
+        tenant=None,
+        shareable=True,
+        step=0,
+        drafter="dflash_tiny",
+        drafter_version=None,
+        tree="ddtree",
+        budget=n,
+        pos=5,
+        root=7,
+        tokens=[10 + i for i in range(n)],
+        parents=list(range(-1, n - 1)),
+        accepted=list(range(min(2, n))),
+        bonus=42,
+        topk_ids=[[(r + c) % V for c in range(k)] for r in range(n + 1)],
+        topk_logprobs=[[-0.1 * (c + 1) for c in range(k)] for _ in range(n + 1)],
+        ms={"draft": 1.0, "tree": 0.5, "verify": 2.0},
+    )
+    record.update(overrides)
+    return record
+
+
+def request(**overrides) -> dict:
+    record = request_record(server="s", request="r0", tenant="acme", shareable=False, prompt_ids=[1, 2, 3],
+                            output_ids=[4, 5], prefill_topk_ids=[list(range(8))] * 3)  # fmt: skip
+    record.update(overrides)
+    return record
+
+
+def reason(record: object, vocab_size: int | None = V) -> str:
+    with pytest.raises(RecordError) as e:
+        validate(record, vocab_size)
+    return e.value.reason
+
+
+def test_valid_records_pass_unchanged():
+    for record in (step(), step(n=0, accepted=[]), request(), request(prefill_topk_ids=None), step(tenant="t")):
+        assert validate(record, V) is record
+    # A branching tree: node 2 hangs off the root beside node 0; the accepted path 2 -> 3 is a root path.
+    branching = step(n=4, parents=[-1, 0, -1, 2], accepted=[2, 3])
+    assert validate(branching, V) is branching
+
+
+@pytest.mark.parametrize(
+    ("record", "expected"),
+    [
+        ([1, 2], "a record is a JSON object"),
+        (step(v=2), "unknown version v=2"),
+        (step(v=True), "unknown version v=True"),
+        ({"kind": "step"}, "missing field 'v'"),
+        (step(kind="prefill"), "unknown kind 'prefill'"),
+        (step(shareable=1), "field 'shareable' must be bool"),
+        (step(tenant=3), "field 'tenant' must be str or null"),
+        (step(budget=2.0), "field 'budget' must be int"),
+        (step(pos=-1), "field 'pos' must be >= 0"),
+        (step(tokens=[10, "11", 12]), "field 'tokens' must hold token ids (int), found str"),
+        (step(tokens=[10, 11, True]), "found bool"),
+        (step(root=V), f"field 'root' holds token id {V} outside the vocabulary of {V}"),
+        (step(tokens=[10, 11, 100000]), "outside the vocabulary"),
+        (step(tokens=[10, -1, 11]), "negative token id -1"),
+        (step(parents=[-1, 0]), "field 'parents' has 2 entries for 3 tokens"),
+        (step(parents=[-1, 1, 1]), "parents[1] = 1: a parent is -1 (root) or an earlier node"),
+        (step(parents=[-1, 0, -2]), "parents[2] = -2"),
+        (step(accepted=[1]), "accepted[0] = 1 is not a child of -1"),
+        (step(accepted=[0, 3]), "accepted[1] = 3 is not a node of a tree with 3 draft nodes"),
+        (step(budget=2), "more than its budget 2"),
+        (step(topk_ids=step()["topk_ids"][:3]), "field 'topk_ids' has 3 rows, expected 4"),
+        (step(k=4), "top-k needs k >= 8"),
+        (step(topk_ids=[list(range(8))] * 3 + [list(range(9))]), "rows of unequal widths [8, 9]"),
+        (step(topk_logprobs=[[-1.0] * 9] * 4), "rows of different widths"),
+        (step(topk_logprobs=[[-1.0] * 7 + [math.nan]] + [[-1.0] * 8] * 3), "topk_logprobs[0][7] is nan"),
+        (step(topk_logprobs=[[-1.0] * 8] * 3 + [[-math.inf] * 8]), "topk_logprobs[3][0] is -inf"),
+        (step(topk_logprobs=[[3.5] * 8] * 4), "log-probs, not logits"),
+        (step(ms={"draft": 1.0, "tree": 0.5}), "missing field 'verify'"),
+        (step(ms={"draft": 1.0, "tree": math.nan, "verify": 1.0}), "ms.tree = nan"),
+        (request(prefill_topk_ids=[list(range(8))] * 2), "field 'prefill_topk_ids' has 2 rows, expected 3"),
+        (request(output_ids=[4, V]), "field 'output_ids' holds token id 100 outside the vocabulary"),
+    ],
+)
+def test_validator_names_the_fault(record, expected):
+    assert expected in reason(record)
+
+
+def test_vocabulary_is_checked_only_when_known():
+    record = step(bonus=V + 5)
+    assert validate(record) is record
+    assert "outside the vocabulary" in reason(record, V)
+
+
+# ---- writer -> reader ---------------------------------------------------------------------------------------
+def read_all(directory, offsets=None, **kw) -> tuple[list, LogReader]:
+    reader = LogReader(directory, offsets, vocab_size=V, **kw)
+    return list(reader), reader
+
+
+def test_round_trip_with_rotation(tmp_path):
+    records = [step(request=f"r{i}", n=i % 5) for i in range(40)] + [request()]
+    # Small segments: a rotation every few records; the callable form is built on the writer thread.
+    with LogWriter(tmp_path, "replica0", max_bytes=4000, vocab_size=V) as writer:
+        for r in records:
+            writer.write(lambda r=r: r)
+    with LogWriter(tmp_path, "replica1") as other:
+        other.write(request(request="from-1"))
+    names = sorted(os.listdir(tmp_path))
+    segments = [n for n in names if n.endswith(".jsonl")]
+    assert len(segments) == len(writer.segments) + 1 > 3
+    assert not [n for n in names if n.endswith(".part")]
+    assert all(os.path.getsize(tmp_path / s) <= 4000 for s in writer.segments)
+    items, reader = read_all(tmp_path)
+    got = [r for _, _, _, r in items]
+    assert [r for r in got if r["server"] == "s" and r["request"] != "from-1"] == records
+    assert sum(r["request"] == "from-1" for r in got) == 1
+    # Offsets cover every byte; a second reader resuming from them finds nothing new.
+    assert all(reader.offsets[f] == os.path.getsize(tmp_path / f"{f}.jsonl") for f, *_ in items)
+    assert read_all(tmp_path, reader.offsets)[0] == []
+
+
+def test_time_rotation_finishes_an_idle_segment(tmp_path):
+    with LogWriter(tmp_path, "w", max_seconds=0.05) as writer:
+        writer.write(step())
+        writer.flush()
+        # Time alone finishes the segment, without a further record or close.
+        for _ in range(200):
+            if writer.segments:
+                break
+            time.sleep(0.01)
+        assert len(writer.segments) == 1
+        writer.write(step(request="later"))
+    assert len(writer.segments) == 2
+    assert [r["request"] for *_, r in read_all(tmp_path)[0]] == ["r0", "later"]
+
+
+def test_writer_refuses_an_invalid_record_and_goes_on(tmp_path):
+    writer = LogWriter(tmp_path, "w", vocab_size=V)
+    writer.write(step(root=V))
+    writer.write(step(request="good"))
+    with pytest.raises(RecordError, match="outside the vocabulary"):
+        writer.flush()
+    writer.close()
+    assert [r["request"] for *_, r in read_all(tmp_path)[0]] == ["good"]
+
+
+def test_one_live_writer_per_prefix_and_a_dead_ones_part_is_finished(tmp_path):
+    line = json.dumps(step()) + "\n"
+    # A writer killed mid-record left a .part whose last line is torn.
+    (tmp_path / "w-000003-1700000000000.jsonl.part").write_text(line + line[:50])
+    with LogWriter(tmp_path, "w") as writer:
+        with pytest.raises(UserError, match="another live writer"):
+            LogWriter(tmp_path, "w")
+        writer.write(step(request="new"))
+    assert sorted(os.listdir(tmp_path)) == [".w.lock", "w-000003-1700000000000.jsonl", writer.segments[0]]
+    assert writer.segments[0].startswith("w-000004-")
+    items = read_all(tmp_path)[0]
+    assert [type(r) for *_, r in items] == [dict, RecordError, dict]
+    assert items[1][3].reason == "unterminated last line (truncated)"
+    assert items[1][1] == len(line)
+
+
+# ---- reader against a live or hostile directory ---------------------------------------------------------------
+def test_partial_last_line_is_waited_for_and_the_rename_keeps_offsets(tmp_path):
+    part = tmp_path / "w-000000-1700000000000.jsonl.part"
+    lines = [(json.dumps(step(request=f"r{i}")) + "\n").encode() for i in range(3)]
+    part.write_bytes(lines[0] + lines[1][:40])
+    reader = LogReader(tmp_path, vocab_size=V)
+    assert [r["request"] for *_, r in reader] == ["r0"]
+    assert list(reader) == []  # still unfinished: no error, no progress
+    with open(part, "ab") as f:
+        f.write(lines[1][40:] + lines[2][:10])
+    assert [r["request"] for *_, r in reader] == ["r1"]
+    # The writer completes the line and finishes the segment between two polls.
+    with open(part, "ab") as f:
+        f.write(lines[2][10:])
+    part.rename(tmp_path / "w-000000-1700000000000.jsonl")
+    assert [(r["request"], o) for _, o, _, r in reader] == [("r2", len(lines[0]) + len(lines[1]))]
+    assert list(reader) == []
+    assert reader.offsets == {"w-000000-1700000000000": sum(map(len, lines))}
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        (json.dumps(step())[:-30], "not JSON"),
+        (json.dumps(step(pos="5")), "field 'pos' must be int, got str"),
+        (json.dumps(step(v=7)), "unknown version v=7"),
+        (json.dumps(step(tokens=[10, 11, 5000])), "token id 5000 outside the vocabulary of 100"),
+        (json.dumps(step(topk_logprobs=[[-1.0] * 8] * 3 + [[-1.0, math.nan] + [-2.0] * 6])), "is nan"),
+        (json.dumps(step(parents=[-1, 0])), "'parents' has 2 entries for 3 tokens"),
+        ("", "empty line"),
+        ('"just a string"', "a record is a JSON object, got str"),
+        ("\xff\xfe{", "not JSON"),
+    ],
+)
+def test_hostile_lines_are_rejected_with_their_reason_between_good_ones(tmp_path, line, expected):
+    good = json.dumps(step()) + "\n"
+    (tmp_path / "w-000000-1700000000000.jsonl").write_text(good + line + "\n" + good)
+    items = read_all(tmp_path)[0]
+    assert [type(r) for *_, r in items] == [dict, RecordError, dict]
+    name, offset, end, error = items[1]
+    assert (name, offset, end) == ("w-000000-1700000000000", len(good), len(good) + len((line + "\n").encode()))
+    assert expected in error.reason
+    assert (error.file, error.offset) == (name, offset)
+
+
+def test_a_10mb_line_is_an_error_read_in_bounded_chunks(tmp_path):
+    good = json.dumps(step()).encode() + b"\n"
+    huge = b'{"v": 1, "pad": "' + b"x" * (10 << 20) + b'"}\n'
+    (tmp_path / "w-000000-1700000000000.jsonl").write_bytes(good + huge + good)
+    tracemalloc.start()
+    items = list(LogReader(tmp_path, vocab_size=V, max_line_bytes=1 << 20, chunk_bytes=1 << 16))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert [type(r) for *_, r in items] == [dict, RecordError, dict]
+    assert items[1][3].reason == f"line of {len(huge) - 1} bytes exceeds the {1 << 20}-byte limit"
+    assert items[1][1:3] == (len(good), len(good) + len(huge))
+    # Never the whole line in memory: at most the limit plus a chunk or two.
+    assert peak < 3 << 20
+
+
+def test_an_oversized_line_in_an_unfinished_segment_is_waited_for_then_rejected(tmp_path):
+    part = tmp_path / "w-000000-1700000000000.jsonl.part"
+    part.write_bytes(b"x" * 5000)
+    reader = LogReader(tmp_path, max_line_bytes=1000, chunk_bytes=512)
+    assert list(reader) == []
+    with open(part, "ab") as f:
+        f.write(b"\n" + json.dumps(step()).encode() + b"\n")
+    items = list(reader)
+    assert [type(r) for *_, r in items] == [RecordError, dict]
+    assert "line of 5000 bytes" in items[0][3].reason
+
+
+def test_empty_and_foreign_files_yield_nothing(tmp_path):
+    (tmp_path / "w-000000-1700000000000.jsonl").write_bytes(b"")
+    (tmp_path / "w-000001-1700000000001.jsonl.part").write_bytes(b"")
+    (tmp_path / "quarantine.jsonl").write_text("not a segment\n")
+    (tmp_path / "notes.txt").write_text("hello\n")
+    items, reader = read_all(tmp_path)
+    assert items == []
+    assert reader.offsets == {}

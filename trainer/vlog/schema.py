@@ -1,0 +1,259 @@
+"""Verifier log v1 records: the one validator every reader uses, and constructors for writers.
+
+The format is described in docs/verifier_log.md. A record is a JSON object; ``validate`` returns it unchanged
+when it is a well-formed v1 record and raises ``RecordError`` naming the first field that is not. Checks run
+over whole lists at C speed (``map``/``set``/``min``/``max``) so a reader validates large trees cheaply::
+
+    python -c "from trainer.vlog.schema import request_record, validate; \\
+        print(validate(request_record(server='s', request='r', tenant=None, shareable=True, \\
+        prompt_ids=[1, 2], output_ids=[3]), vocab_size=8192))"
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import chain
+from operator import lt
+
+VERSION = 1
+KINDS = ("step", "request")
+# Fewest target candidates a verified node carries: the adjacency daemons fill rows of this width.
+MIN_TOPK = 8
+# Log-probs are <= 0; float rounding of log-softmax may land a hair above.
+LOGPROB_SLACK = 1e-3
+# Longest line a reader accepts and a writer emits (bytes, newline excluded).
+MAX_LINE_BYTES = 8 << 20
+PHASES = ("draft", "tree", "verify")
+
+
+class RecordError(ValueError):
+    """A record that is not valid v1; ``file`` and ``offset`` say where when it was read from a segment."""
+
+    def __init__(self, reason: str, file: str | None = None, offset: int | None = None) -> None:
+        super().__init__(reason if file is None else f"{file}:{offset}: {reason}")
+        self.reason = reason
+        self.file = file
+        self.offset = offset
+
+
+def _require(record: dict, name: str, kinds: tuple[type, ...]) -> object:
+    if name not in record:
+        raise RecordError(f"missing field {name!r}")
+    value = record[name]
+    # type() rather than isinstance: JSON true is not an int, and an int is not a float here.
+    if type(value) not in kinds:
+        wanted = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+        raise RecordError(f"field {name!r} must be {wanted}, got {type(value).__name__}")
+    return value
+
+
+def _count(record: dict, name: str) -> int:
+    value = _require(record, name, (int,))
+    if value < 0:
+        raise RecordError(f"field {name!r} must be >= 0, got {value}")
+    return value
+
+
+def _token_list(name: str, values: list, vocab_size: int | None) -> None:
+    """Token ids: ints in [0, vocab_size)."""
+    if not values:
+        return
+    if set(map(type, values)) != {int}:
+        bad = next(v for v in values if type(v) is not int)
+        raise RecordError(f"{name} must hold token ids (int), found {type(bad).__name__} {bad!r}")
+    low, high = min(values), max(values)
+    if low < 0:
+        raise RecordError(f"{name} holds a negative token id {low}")
+    if vocab_size is not None and high >= vocab_size:
+        raise RecordError(f"{name} holds token id {high} outside the vocabulary of {vocab_size}")
+
+
+def _token(record: dict, name: str, vocab_size: int | None) -> int:
+    value = _require(record, name, (int,))
+    _token_list(f"field {name!r}", [value], vocab_size)
+    return value
+
+
+def _rows(name: str, rows: object, n_rows: int) -> int:
+    """A list of ``n_rows`` lists of one common width k >= MIN_TOPK; returns k."""
+    if type(rows) is not list:
+        raise RecordError(f"field {name!r} must be a list of rows, got {type(rows).__name__}")
+    if len(rows) != n_rows:
+        raise RecordError(f"field {name!r} has {len(rows)} rows, expected {n_rows}")
+    if not rows:
+        return 0
+    if set(map(type, rows)) != {list}:
+        raise RecordError(f"field {name!r} must be a list of lists")
+    widths = set(map(len, rows))
+    if len(widths) != 1:
+        raise RecordError(f"field {name!r} has rows of unequal widths {sorted(widths)}")
+    k = widths.pop()
+    if k < MIN_TOPK:
+        raise RecordError(f"field {name!r} has rows of width {k}; top-k needs k >= {MIN_TOPK}")
+    return k
+
+
+def _common(record: dict) -> None:
+    _require(record, "server", (str,))
+    _require(record, "request", (str,))
+    _require(record, "tenant", (str, type(None)))
+    _require(record, "shareable", (bool,))
+
+
+def _step(record: dict, vocab_size: int | None) -> None:
+    _count(record, "step")
+    _require(record, "drafter", (str, type(None)))
+    _require(record, "drafter_version", (str, int, type(None)))
+    _require(record, "tree", (str,))
+    budget = _count(record, "budget")
+    _count(record, "pos")
+    _token(record, "root", vocab_size)
+    _token(record, "bonus", vocab_size)
+
+    tokens = _require(record, "tokens", (list,))
+    n = len(tokens)
+    if n > budget:
+        raise RecordError(f"the tree has {n} draft nodes, more than its budget {budget}")
+    _token_list("field 'tokens'", tokens, vocab_size)
+
+    parents = _require(record, "parents", (list,))
+    if len(parents) != n:
+        raise RecordError(f"field 'parents' has {len(parents)} entries for {n} tokens")
+    if n:
+        if set(map(type, parents)) != {int}:
+            raise RecordError("field 'parents' must hold ints")
+        # Topological order: -1 (the root) or an earlier node.
+        if min(parents) < -1 or not all(map(lt, parents, range(n))):
+            bad = next(i for i, p in enumerate(parents) if not -1 <= p < i)
+            raise RecordError(f"parents[{bad}] = {parents[bad]}: a parent is -1 (root) or an earlier node")
+
+    accepted = _require(record, "accepted", (list,))
+    if accepted and set(map(type, accepted)) != {int}:
+        raise RecordError("field 'accepted' must hold ints")
+    parent = -1
+    for j, node in enumerate(accepted):
+        if not 0 <= node < n:
+            raise RecordError(f"accepted[{j}] = {node} is not a node of a tree with {n} draft nodes")
+        if parents[node] != parent:
+            raise RecordError(f"accepted[{j}] = {node} is not a child of {parent}: 'accepted' must be a root path")
+        parent = node
+
+    ids = _require(record, "topk_ids", (list,))
+    k = _rows("topk_ids", ids, n + 1)
+    _token_list("field 'topk_ids'", list(chain.from_iterable(ids)), vocab_size)
+    logprobs = _require(record, "topk_logprobs", (list,))
+    if _rows("topk_logprobs", logprobs, n + 1) != k:
+        raise RecordError("fields 'topk_logprobs' and 'topk_ids' have rows of different widths")
+    flat = list(chain.from_iterable(logprobs))
+    if not set(map(type, flat)) <= {float, int}:
+        raise RecordError("field 'topk_logprobs' must hold numbers")
+    if not all(map(math.isfinite, flat)):
+        row, col = divmod(next(i for i, v in enumerate(flat) if not math.isfinite(v)), k)
+        raise RecordError(f"topk_logprobs[{row}][{col}] is {flat[row * k + col]}, not a finite log-prob")
+    if max(flat) > LOGPROB_SLACK:
+        raise RecordError(f"field 'topk_logprobs' holds {max(flat)} > 0: log-probs, not logits, are logged")
+
+    ms = _require(record, "ms", (dict,))
+    for phase in PHASES:
+        value = _require(ms, phase, (float, int))
+        if not math.isfinite(value) or value < 0:
+            raise RecordError(f"ms.{phase} = {value} is not a finite duration >= 0")
+
+
+def _request(record: dict, vocab_size: int | None) -> None:
+    prompt = _require(record, "prompt_ids", (list,))
+    _token_list("field 'prompt_ids'", prompt, vocab_size)
+    _token_list("field 'output_ids'", _require(record, "output_ids", (list,)), vocab_size)
+    if record.get("prefill_topk_ids") is not None:
+        rows = record["prefill_topk_ids"]
+        _rows("prefill_topk_ids", rows, len(prompt))
+        _token_list("field 'prefill_topk_ids'", list(chain.from_iterable(rows)), vocab_size)
+
+
+def validate(obj: object, vocab_size: int | None = None) -> dict:
+    """``obj`` when it is a valid v1 record, else ``RecordError`` with the reason. Token ids are checked
+    against ``vocab_size`` when given. Fields beyond the v1 set are allowed and left alone."""
+    if type(obj) is not dict:
+        raise RecordError(f"a record is a JSON object, got {type(obj).__name__}")
+    if "v" not in obj:
+        raise RecordError("missing field 'v' (format version)")
+    if type(obj["v"]) is not int or obj["v"] != VERSION:
+        raise RecordError(f"unknown version v={obj['v']!r}; this reader knows v={VERSION}")
+    kind = obj.get("kind")
+    if kind not in KINDS:
+        raise RecordError(f"unknown kind {kind!r}; expected one of {list(KINDS)}")
+    _common(obj)
+    (_step if kind == "step" else _request)(obj, vocab_size)
+    return obj
+
+
+def step_record(
+    *,
+    server: str,
+    request: str,
+    tenant: str | None,
+    shareable: bool,
+    step: int,
+    drafter: str | None,
+    drafter_version: str | int | None,
+    tree: str,
+    budget: int,
+    pos: int,
+    root: int,
+    tokens: list[int],
+    parents: list[int],
+    accepted: list[int],
+    bonus: int,
+    topk_ids: list[list[int]],
+    topk_logprobs: list[list[float]],
+    ms: dict[str, float],
+) -> dict:
+    """A step record with the v1 field names; ``validate`` it (the writer does) before trusting it."""
+    return {
+        "v": VERSION,
+        "kind": "step",
+        "server": server,
+        "request": request,
+        "tenant": tenant,
+        "shareable": shareable,
+        "step": step,
+        "drafter": drafter,
+        "drafter_version": drafter_version,
+        "tree": tree,
+        "budget": budget,
+        "pos": pos,
+        "root": root,
+        "tokens": tokens,
+        "parents": parents,
+        "accepted": accepted,
+        "bonus": bonus,
+        "topk_ids": topk_ids,
+        "topk_logprobs": topk_logprobs,
+        "ms": ms,
+    }
+
+
+def request_record(
+    *,
+    server: str,
+    request: str,
+    tenant: str | None,
+    shareable: bool,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    prefill_topk_ids: list[list[int]] | None = None,
+) -> dict:
+    """A request record with the v1 field names; ``prefill_topk_ids`` is left out when not given."""
+    record = {
+        "v": VERSION,
+        "kind": "request",
+        "server": server,
+        "request": request,
+        "tenant": tenant,
+        "shareable": shareable,
+        "prompt_ids": prompt_ids,
+        "output_ids": output_ids,
+    }
+    if prefill_topk_ids is not None:
+        record["prefill_topk_ids"] = prefill_topk_ids
+    return record

@@ -1,0 +1,204 @@
+"""Append verifier log records to rotating segments from a background thread.
+
+``write`` only enqueues: validation, JSON encoding and file I/O happen on the writer thread, so the decoding
+loop pays for a queue put. A record may be given as a zero-argument callable returning the dict; it is called
+on the writer thread, which keeps tensor -> list conversion off the caller's path too. The queue is bounded:
+when the disk falls behind, ``write`` blocks rather than dropping records.
+
+A segment is ``{prefix}-{seq:06d}-{unix_ms}.jsonl.part`` while open and is finished (fsync, then an atomic
+rename to ``.jsonl``) when it reaches ``max_bytes``, when it has been open ``max_seconds``, and on ``close``.
+A server calls ``close`` from its SIGTERM handler; a process that exits without it is closed at exit. One live
+writer per prefix (a lock file enforces it); a new writer finishes the ``.part`` segments a dead one of the
+same prefix left behind, so readers stop waiting on them (a torn last line then reads as truncated)::
+
+    python -c "from trainer.vlog.writer import LogWriter; from trainer.vlog.schema import request_record; \\
+        w = LogWriter('runs/logs', 'replica0'); \\
+        w.write(request_record(server='s', request='r', tenant=None, shareable=True, prompt_ids=[1], \\
+        output_ids=[2])); w.close()"
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from trainer.errors import UserError
+from trainer.vlog.schema import MAX_LINE_BYTES, RecordError, validate
+from trainer.vlog.segments import FINISHED, PART, PREFIX, list_segments, stem
+
+Record = dict | Callable[[], dict]
+
+
+class LogWriter:
+    def __init__(
+        self,
+        directory: str | Path,
+        prefix: str,
+        max_bytes: int = 64 << 20,
+        max_seconds: float = 300.0,
+        queue_size: int = 4096,
+        vocab_size: int | None = None,
+    ) -> None:
+        if not PREFIX.fullmatch(prefix):
+            raise UserError(f"log prefix {prefix!r} must be letters, digits, '_', '.', '-' (not starting with '.')")
+        self.directory = Path(directory)
+        self.prefix = prefix
+        self.max_bytes = max_bytes
+        self.max_seconds = max_seconds
+        self.vocab_size = vocab_size
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.directory / f".{prefix}.lock", "w")  # noqa: SIM115 (held for the writer's life)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise UserError(f"another live writer uses prefix {prefix!r} in {self.directory}") from None
+        own = [s for s in list_segments(self.directory) if s.prefix == prefix]
+        for s in own:
+            if not s.finished:
+                self._rename(s.stem)
+        self._seq = max((s.seq for s in own), default=-1) + 1
+        self._last_ms = max((s.unix_ms for s in own), default=0)
+        self._file = None
+        self._stem = ""
+        self._opened = 0.0
+        self._size = 0
+        self._queue: queue.Queue = queue.Queue(queue_size)
+        self._error: BaseException | None = None
+        self._closed = False
+        self.records = 0
+        self.segments: list[str] = []
+        self._thread = threading.Thread(target=self._run, name=f"vlog-{prefix}", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    # ---- caller side ------------------------------------------------------------------------------------------
+    def write(self, record: Record) -> None:
+        """Enqueue one record (a dict, or a callable making it on the writer thread)."""
+        self._check()
+        if self._closed:
+            raise RuntimeError("write after close")
+        self._queue.put(record)
+
+    def flush(self) -> None:
+        """Return once every record written so far is in the segment file (visible to readers)."""
+        if self._closed:
+            self._check()
+            return
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait()
+        self._check()
+
+    def close(self) -> None:
+        """Write what is queued, finish the open segment, stop the thread. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            atexit.unregister(self.close)
+            self._queue.put(None)
+            self._thread.join()
+            self._lock.close()
+        self._check()
+
+    def __enter__(self) -> LogWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check(self) -> None:
+        # A failure on the thread surfaces once, on the caller's next call.
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    # ---- writer thread ----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=self._wait())
+            except queue.Empty:
+                self._guard(self._finish_if_old)
+                continue
+            if item is None:
+                self._guard(self._finish)
+                return
+            if isinstance(item, threading.Event):
+                self._guard(self._flush)
+                item.set()
+                continue
+            self._guard(self._append, item)
+            if self._queue.empty():
+                self._guard(self._flush)
+
+    def _wait(self) -> float | None:
+        if self._file is None:
+            return None
+        return max(self._opened + self.max_seconds - time.monotonic(), 0.0) + 1e-3
+
+    def _guard(self, fn: Callable, *args: object) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # kept for the caller: the thread must outlive a bad record or a full disk
+            if self._error is None:
+                self._error = e
+
+    def _append(self, item: Record) -> None:
+        record = item() if callable(item) else item
+        validate(record, self.vocab_size)
+        try:
+            line = json.dumps(record, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+        except ValueError as e:
+            raise RecordError(f"record cannot be encoded as JSON: {e}") from None
+        if len(line) > MAX_LINE_BYTES:
+            raise RecordError(f"record of {len(line)} bytes exceeds the {MAX_LINE_BYTES}-byte line limit")
+        if self._file is not None and self._size and self._size + len(line) > self.max_bytes:
+            self._finish()
+        self._finish_if_old()
+        if self._file is None:
+            self._open()
+        self._file.write(line)
+        self._size += len(line)
+        self.records += 1
+
+    def _open(self) -> None:
+        # unix_ms never decreases per prefix, so readers' creation-time order keeps this writer's sequence.
+        self._last_ms = max(self._last_ms, int(time.time() * 1000))
+        self._stem = stem(self.prefix, self._seq, self._last_ms)
+        self._seq += 1
+        self._file = open(self.directory / (self._stem + PART), "xb", buffering=1 << 16)  # noqa: SIM115
+        self._opened = time.monotonic()
+        self._size = 0
+
+    def _flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def _finish_if_old(self) -> None:
+        if self._file is not None and time.monotonic() - self._opened >= self.max_seconds:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self._file is None:
+            return
+        file, self._file = self._file, None
+        with file:
+            file.flush()
+            os.fsync(file.fileno())
+        self._rename(self._stem)
+        self.segments.append(self._stem + FINISHED)
+
+    def _rename(self, name: str) -> None:
+        os.replace(self.directory / (name + PART), self.directory / (name + FINISHED))
+        dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
