@@ -27,6 +27,7 @@ COMMANDS = {
     "validate": "run the validation loop of a recipe on a checkpoint (--ckpt_path PATH)",
     "data": "data jobs: `trainer data regenerate` (target-written responses), `trainer data cache` (features)",
     "eval": "a drafter in lossless speculative decoding: τ, speed-up, acceptance by depth (--help)",
+    "adapt": "deployment daemons: `trainer adapt graft --logs DIR --publish DIR` (adjacency matrix from logs)",
 }
 
 USAGE = """usage: trainer fit|validate --recipe NAME|PATH [--key.sub VALUE ...] [--print_config]
@@ -133,6 +134,11 @@ def main(argv: list[str] | None = None) -> None:
             from trainer.evaluate import main as eval_main
 
             eval_main(rest)
+            return
+        if command == "adapt":
+            from trainer.adapt.cli import main as adapt_main
+
+            adapt_main(rest)
             return
         recipe_name, rest = _split_recipe_arg(rest)
         if recipe_name is None:

@@ -1,0 +1,79 @@
+"""``trainer adapt graft``: argument parsing for the adaptation daemons (the daemons live beside it).
+
+trainer adapt graft --logs runs/logs --publish runs/adjacency --once
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from trainer.adapt import graft
+from trainer.adapt.graft import DEFAULT_TARGET, GraftConfig, run_graft
+from trainer.errors import UserError
+
+DEFAULTS = GraftConfig()
+
+
+def graft_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="trainer adapt graft", description=graft.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--logs", type=Path, required=True, help="verifier log directory (segments *.jsonl[.part])")
+    p.add_argument("--publish", type=Path, required=True, help="snapshot directory: PUBLISH/current, PUBLISH/vNNNNNN")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="target HF directory (only its config.json is read)")
+    p.add_argument("--state", type=Path, default=None, help="state directory (default PUBLISH/.state)")
+    p.add_argument("--once", action="store_true", help="process what is there, publish, exit (default: tail)")
+    g = p.add_argument_group("aggregation")
+    g.add_argument("--width", type=int, default=DEFAULTS.width, help="successors per published row (k)")
+    g.add_argument("--candidates", type=int, default=DEFAULTS.candidates, help="candidates kept per row")
+    g.add_argument("--rows", type=int, default=DEFAULTS.rows, help="shared rows held (default: the vocabulary)")
+    g.add_argument("--tenant-rows", type=int, default=DEFAULTS.tenant_rows, help="rows held per tenant delta")
+    g.add_argument("--max-tenants", type=int, default=DEFAULTS.max_tenants, help="tenant deltas held (LRU)")
+    g.add_argument("--half-life", type=float, default=DEFAULTS.half_life, help="evidence half-life in log lines")
+    g.add_argument("--batch-records", type=int, default=DEFAULTS.batch_records, help="log lines per batch")
+    g.add_argument(
+        "--replica-row-cap",
+        type=float,
+        default=DEFAULTS.replica_row_cap,
+        help="most evidence one server adds to one row per batch (in observations of probability 1)",
+    )
+    g.add_argument("--prompt-weight", type=float, default=DEFAULTS.prompt_weight, help="weight of prompt evidence")
+    t = p.add_argument_group("timing")
+    t.add_argument("--commit-seconds", type=float, default=5.0, help="state is committed at least this often")
+    t.add_argument("--publish-seconds", type=float, default=30.0, help="snapshots are published at most this often")
+    t.add_argument("--poll-seconds", type=float, default=0.5, help="idle wait between looks at the log directory")
+    t.add_argument("--keep", type=int, default=5, help="published versions kept on disk")
+    return p
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: trainer adapt graft --logs DIR --publish DIR [--once] (--help for all options)")
+        return
+    if argv[0] != "graft":
+        raise UserError(f"unknown daemon 'trainer adapt {argv[0]}'; available: graft")
+    args = graft_parser().parse_args(argv[1:])
+    config = GraftConfig(
+        width=args.width,
+        candidates=args.candidates,
+        rows=args.rows,
+        tenant_rows=args.tenant_rows,
+        max_tenants=args.max_tenants,
+        half_life=args.half_life,
+        batch_records=args.batch_records,
+        replica_row_cap=args.replica_row_cap,
+        prompt_weight=args.prompt_weight,
+    )
+    run_graft(
+        args.logs,
+        args.publish,
+        args.target,
+        args.state,
+        args.once,
+        config,
+        args.commit_seconds,
+        args.publish_seconds,
+        args.poll_seconds,
+        args.keep,
+    )
