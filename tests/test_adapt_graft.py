@@ -1,13 +1,26 @@
 """``trainer adapt graft``: snapshot publishing, the candidate aggregation rule, tenants, quarantine, and the
 daemon's --once / SIGTERM / SIGKILL-restart behaviour."""
 
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
 import threading
+import time
+from itertools import pairwise
 
 import pytest
 import torch
+from conftest import ROOT
 from safetensors.torch import save_file
 
+from trainer.adapt import graft as graft_module
 from trainer.adapt.candidates import SCALE, CandidateTable
+from trainer.adapt.graft import METRICS, QUARANTINE, STATE_FILE, GraftConfig, run_graft
 from trainer.adapt.publish import (
     ADJACENCY,
     CURRENT,
@@ -18,6 +31,9 @@ from trainer.adapt.publish import (
     read_manifest,
     tenant_filename,
 )
+from trainer.errors import UserError
+from trainer.vlog.schema import request_record, step_record
+from trainer.vlog.segments import stem
 
 
 def _adjacency_payload(adjacency: torch.Tensor, deltas: dict[str, torch.Tensor] | None = None):
@@ -215,3 +231,301 @@ def test_state_round_trip_is_exact():
         )
     assert torch.equal(copy.adjacency(4), table.adjacency(4))
     assert torch.equal(copy.score, table.score) and torch.equal(copy.slot, table.slot)
+
+
+# ---------------------------------------------------------------- the daemon
+
+V = 512
+
+
+@pytest.fixture
+def target(tmp_path):
+    """A target directory whose config.json is all the daemon reads: a 512-token vocabulary."""
+    directory = tmp_path / "target"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"vocab_size": V}))
+    return directory
+
+
+def successors(token, k=8, salt=0):
+    """The synthetic language's top-k after ``token``."""
+    return [(token * 31 + 7 * j + 1 + salt) % V for j in range(k)]
+
+
+def step(rng, server="r0", tenant=None, shareable=True, n=6, root=None, tokens=None, salt=0):
+    root = rng.randrange(V) if root is None else root
+    tokens = [rng.randrange(V) for _ in range(n)] if tokens is None else tokens
+    parents = [-1, *range(len(tokens) - 1)]
+    nodes = [root, *tokens]
+    return step_record(
+        server=server, request="q", tenant=tenant, shareable=shareable, step=0, drafter="eagle3",
+        drafter_version=1, tree="ddtree", budget=max(len(tokens), 1), pos=3, root=root, tokens=tokens,
+        parents=parents[: len(tokens)], accepted=[0] if tokens else [], bonus=1,
+        topk_ids=[successors(t, salt=salt) for t in nodes],
+        topk_logprobs=[[-0.2 - 0.4 * r - rng.random() * 0.05 for r in range(8)] for _ in nodes],
+        ms={"draft": 1.0, "tree": 0.1, "verify": 2.0},
+    )  # fmt: skip
+
+
+def write_segment(directory, prefix, seq, lines, part=False):
+    directory.mkdir(parents=True, exist_ok=True)
+    name = stem(prefix, seq, 1000 + seq) + (".jsonl.part" if part else ".jsonl")
+    text = "".join(line if isinstance(line, str) else json.dumps(line) + "\n" for line in lines)
+    (directory / name).write_text(text)
+    return directory / name
+
+
+def make_logs(directory, seed=0, segments=6, per_segment=40):
+    """Two shared replicas, a private tenant, prompts, and one hostile line per segment."""
+    rng = random.Random(seed)
+    for seq in range(segments):
+        for prefix in ("r0", "r1"):
+            lines = [step(rng, server=prefix) for _ in range(per_segment)]
+            lines += [step(rng, server=prefix, tenant="acme", shareable=False, salt=3) for _ in range(5)]
+            prompt = [rng.randrange(V) for _ in range(30)]
+            lines.append(request_record(server=prefix, request="q", tenant=None, shareable=True, prompt_ids=prompt,
+                                        output_ids=[1, 2]))  # fmt: skip
+            lines.insert(rng.randrange(len(lines)), '{"v": 1, "kind": "step", "truncated\n')
+            write_segment(directory, prefix, seq, lines)
+
+
+def adjacencies(publish_dir):
+    version_dir = read_current(publish_dir)[1]
+    return {t: load_adjacency(version_dir, t) for t in (None, "acme")}
+
+
+def test_once_builds_rows_from_nodes_and_prompts(tmp_path, target, capsys):
+    rng = random.Random(0)
+    logs, pub = tmp_path / "logs", tmp_path / "pub"
+    prefill = [successors(t, salt=5) for t in (400, 401)]
+    write_segment(logs, "r0", 0, [
+        step(rng, root=10, tokens=[11, 12]),
+        request_record(server="r0", request="a", tenant=None, shareable=True, prompt_ids=[300, 301, 302],
+                       output_ids=[303]),
+        request_record(server="r0", request="b", tenant=None, shareable=True, prompt_ids=[400, 401],
+                       output_ids=[402], prefill_topk_ids=prefill),
+    ])  # fmt: skip
+    assert run_graft(logs, pub, target, once=True, config=GraftConfig(width=4)) == 0
+    m = load_adjacency(read_current(pub)[1])
+    assert m.shape == (V, 4)
+    for token in (10, 11, 12):  # the root row and every draft node's row
+        assert m[token].tolist() == successors(token)[:4]
+    assert m[300, 0] == 301 and m[302, 0] == 303 and (m[300, 1:] == -1).all()  # prompt bigrams
+    assert m[400].tolist() == prefill[0][:4]  # prefill top-k replaces bigrams
+    assert (m[402] == -1).all()
+    manifest = read_manifest(read_current(pub)[1])
+    assert manifest["version"] == 1 and manifest["parent"] is None
+    assert manifest["files"] == {stem("r0", 0, 1000): (logs / f"{stem('r0', 0, 1000)}.jsonl").stat().st_size}
+    metrics = json.loads((pub / ".state" / METRICS).read_text())
+    assert (metrics["lines"], metrics["records"], metrics["nodes"], metrics["version"]) == (3, 3, 3, 1)
+    assert "records/s" in capsys.readouterr().out
+    # Nothing new: a second --once publishes nothing and changes nothing.
+    assert run_graft(logs, pub, target, once=True, config=GraftConfig(width=4)) == 0
+    assert read_current(pub)[0] == 1
+
+
+def test_state_belongs_to_one_configuration(tmp_path, target):
+    logs = tmp_path / "logs"
+    write_segment(logs, "r0", 0, [step(random.Random(0))])
+    run_graft(logs, tmp_path / "pub", target, once=True)
+    with pytest.raises(UserError, match="was built for vocab_size 512 with"):
+        run_graft(logs, tmp_path / "pub", target, once=True, config=GraftConfig(candidates=9))
+
+
+def test_a_noisy_replica_cannot_thrash_a_row(tmp_path, target):
+    """Replica r1 hammers row 7 with a wrong successor 400 times in one batch; r0's 20 observations keep it."""
+    rng = random.Random(0)
+    noisy = step(rng, server="r1", root=7, tokens=[])
+    noisy["topk_ids"] = [successors(7, salt=100)]
+    write_segment(tmp_path / "logs", "r0", 0, [step(rng, root=7, tokens=[]) for _ in range(20)] + [noisy] * 400)
+    run_graft(tmp_path / "logs", tmp_path / "pub", target, once=True, config=GraftConfig(batch_records=1000))
+    assert load_adjacency(read_current(tmp_path / "pub")[1])[7, 0] == successors(7)[0]
+
+
+def test_tenants_never_leak_canaries(tmp_path, target):
+    """Private canary sequences of tenant acme: drafted for acme, never for another tenant or the shared matrix."""
+    rng = random.Random(1)
+    canary = list(range(450, 470))  # tokens no other traffic in this test uses
+    lines = []
+    for _ in range(30):
+        lines.append(step(rng, root=rng.randrange(400), tokens=[rng.randrange(400) for _ in range(5)]))
+        lines.append(step(rng, server="r1", tenant="beta", shareable=False, root=rng.randrange(400), tokens=[3]))
+    for i in range(len(canary) - 1):
+        record = step(rng, tenant="acme", shareable=False, root=canary[i], tokens=[canary[i + 1]])
+        record["topk_ids"] = [[canary[i + 1], *successors(canary[i])[1:]], [canary[i + 2 - (i == 18)]] * 8]
+        lines.append(record)
+        lines.append(request_record(server="r0", request="c", tenant="acme", shareable=False, prompt_ids=canary,
+                                    output_ids=[]))  # fmt: skip
+    lines.append(request_record(server="r0", request="d", tenant=None, shareable=False, prompt_ids=canary,
+                                output_ids=[]))  # fmt: skip
+    write_segment(tmp_path / "logs", "r0", 0, lines)
+    run_graft(tmp_path / "logs", tmp_path / "pub", target, once=True)
+    version_dir = read_current(tmp_path / "pub")[1]
+
+    def hit_rate(tenant):
+        m = load_adjacency(version_dir, tenant)
+        return sum(int(b in m[a].tolist()) for a, b in pairwise(canary)) / (len(canary) - 1)
+
+    assert hit_rate("acme") == 1.0
+    assert hit_rate("beta") == 0.0 and hit_rate(None) == 0.0 and hit_rate("gamma") == 0.0
+    assert (version_dir / tenant_filename("acme")).is_file() and (version_dir / tenant_filename("beta")).is_file()
+    assert read_manifest(version_dir)["metrics"]["private_untenanted"] == 1
+
+
+def test_tenant_count_and_rows_are_bounded(tmp_path, target):
+    rng = random.Random(2)
+    lines = [step(rng, tenant=f"t{i}", shareable=False, n=8) for i in range(6)]
+    write_segment(tmp_path / "logs", "r0", 0, lines)
+    config = GraftConfig(max_tenants=4, tenant_rows=5, batch_records=2)
+    run_graft(tmp_path / "logs", tmp_path / "pub", target, once=True, config=config)
+    manifest = read_manifest(read_current(tmp_path / "pub")[1])
+    assert manifest["tenants"] == ["t2", "t3", "t4", "t5"]  # the least recently active two were evicted
+    assert manifest["metrics"]["tenants_evicted"] == 2
+    state = graft_module.GraftState.from_file(tmp_path / "pub" / ".state" / STATE_FILE, V, config)
+    assert all(t.table.held() <= 5 for t in state.tenants.values())
+    assert manifest["metrics"]["dropped_weight"] > 0  # 9 rows of evidence into 5 slots
+
+
+HOSTILE = {
+    "truncated JSON": ('{"v": 1, "kind": "st\n', "not JSON"),
+    "wrong type": (lambda r: {**r, "pos": "3"}, "field 'pos' must be int"),
+    "unknown version": (lambda r: {**r, "v": 2}, "unknown version"),
+    "id outside vocabulary": (lambda r: {**r, "root": V}, f"outside the vocabulary of {V}"),
+    "NaN log-prob": (lambda r: {**r, "topk_logprobs": [[math.nan] * 8, *r["topk_logprobs"][1:]]}, "not a finite"),
+    "mismatched lengths": (lambda r: {**r, "parents": r["parents"][:-1]}, "field 'parents' has"),
+    "10 MB line": ('{"v": 1, "pad": "' + "x" * (10 << 20) + '"}\n', "exceeds the"),
+    "empty line": ("\n", "empty line"),
+}
+
+
+def test_hostile_lines_are_quarantined_with_their_reason(tmp_path, target):
+    rng = random.Random(3)
+    logs, pub = tmp_path / "logs", tmp_path / "pub"
+    lines, expected = [], []
+    for make, reason in HOSTILE.values():
+        lines.append(step(rng))
+        line = make if isinstance(make, str) else json.dumps(make(step(rng))) + "\n"
+        expected.append((sum(len(x if isinstance(x, str) else json.dumps(x) + "\n") for x in lines), reason))
+        lines.append(line)
+    lines.append(step(rng))
+    segment = write_segment(logs, "r0", 0, lines)
+    write_segment(logs, "r1", 1, [])  # an empty file
+    partial = write_segment(logs, "r2", 2, [step(rng), json.dumps(step(rng))[:50]], part=True)
+    run_graft(logs, pub, target, once=True)
+    quarantined = [json.loads(x) for x in (pub / ".state" / QUARANTINE).read_text().splitlines()]
+    assert [(q["file"], q["offset"]) for q in quarantined] == [(segment.name, offset) for offset, _ in expected]
+    for q, (_, reason) in zip(quarantined, expected, strict=True):
+        assert reason in q["reason"], (q, reason)
+    metrics = json.loads((pub / ".state" / METRICS).read_text())
+    assert metrics["quarantined"] == len(HOSTILE)
+    assert metrics["records"] == len(HOSTILE) + 1 + 1  # the good lines, and the finished line of the .part
+    # The unfinished last line was waited for, not rejected: completed and renamed, it is read.
+    text = partial.read_text()
+    partial.write_text(text[: text.rindex("\n") + 1] + json.dumps(step(rng)) + "\n")
+    partial.rename(partial.with_name(partial.name.removesuffix(".part")))
+    run_graft(logs, pub, target, once=True)
+    metrics = json.loads((pub / ".state" / METRICS).read_text())
+    assert (metrics["records"], metrics["quarantined"]) == (len(HOSTILE) + 3, len(HOSTILE))
+
+
+def _daemon(logs, pub, target, *flags):
+    args = ["graft", "--logs", str(logs), "--publish", str(pub), "--target", str(target), *flags]
+    code = f"from trainer.adapt.cli import main; main({args!r})"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _wait_for(path, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
+
+
+def test_sigterm_finishes_the_batch_persists_and_exits_0(tmp_path, target):
+    logs, pub = tmp_path / "logs", tmp_path / "pub"
+    make_logs(logs, segments=2)
+    proc = _daemon(logs, pub, target, "--poll-seconds", "0.05")
+    _wait_for(pub / CURRENT)
+    write_segment(logs, "r0", 9, [step(random.Random(9))], part=True)  # tailing: a segment being written
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=60)[0].decode()
+    assert proc.returncode == 0, out
+    metrics = json.loads((pub / ".state" / METRICS).read_text())
+    assert metrics["lines"] == 2 * 2 * 47 + 1
+    assert read_manifest(read_current(pub)[1])["tick"] == metrics["lines"]
+
+
+def test_sigkill_then_restart_publishes_the_uninterrupted_matrix(tmp_path, target, monkeypatch):
+    """Kills at random points, each followed by a --once restart: the final published matrices, counters and
+    quarantine equal an uninterrupted run's. Simulated kills (the process dies just before its n-th call of
+    os.fsync: quarantine lines, state, snapshot files; os.replace: state, metrics, pointer; os.rename: a
+    version directory) cover every commit phase; real SIGKILLs of a daemon process land where the clock puts
+    them."""
+    logs = tmp_path / "logs"
+    make_logs(logs, segments=3)
+    flags = ["--once", "--batch-records", "16", "--commit-seconds", "0", "--rows", "400", "--tenant-rows", "40"]
+    config = GraftConfig(batch_records=16, rows=400, tenant_rows=40)
+    writes = ("replace", "rename", "fsync")
+    real = {name: getattr(os, name) for name in writes}
+    calls = dict.fromkeys(writes, 0)
+    die = {"name": None, "at": 0}
+
+    class Killed(BaseException):
+        pass
+
+    def tracked(name):
+        def call(*args):
+            calls[name] += 1
+            if name == die["name"] and calls[name] == die["at"]:
+                raise Killed
+            return real[name](*args)
+
+        return call
+
+    for name in writes:
+        monkeypatch.setattr(os, name, tracked(name))
+    run_graft(logs, tmp_path / "ref", target, once=True, config=config, commit_seconds=0)
+    counted = dict(calls)
+    assert counted["replace"] > 10, "the state is committed after every batch"
+    reference = adjacencies(tmp_path / "ref")
+    ref_quarantine = (tmp_path / "ref" / ".state" / QUARANTINE).read_text()
+    ref_metrics = json.loads((tmp_path / "ref" / ".state" / METRICS).read_text())
+    assert ref_metrics["rows_held"] == 400, "the table is full: new rows evict old ones"
+
+    def check(pub):
+        die["name"] = None
+        run_graft(logs, pub, target, once=True, config=config, commit_seconds=0)
+        for tenant, m in adjacencies(pub).items():
+            assert torch.equal(m, reference[tenant]), (pub, tenant)
+        assert (pub / ".state" / QUARANTINE).read_text() == ref_quarantine
+        metrics = json.loads((pub / ".state" / METRICS).read_text())
+        for name in ("lines", "records", "nodes", "quarantined", "rows_touched", "dropped_weight"):
+            assert metrics[name] == ref_metrics[name], name
+
+    rng = random.Random(0)
+    for trial in range(8):  # simulated: the process dies just before its n-th call of one kind of write
+        name = ("replace", "fsync")[trial % 2] if trial < 7 else "rename"
+        calls.update(dict.fromkeys(writes, 0))
+        die.update(name=name, at=rng.randrange(1, counted[name] + 1))
+        pub = tmp_path / f"sim{trial}"
+        with pytest.raises(Killed):
+            run_graft(logs, pub, target, once=True, config=config, commit_seconds=0)
+        # A second death of the restarted process, before the rest of the work is done.
+        calls.update(dict.fromkeys(writes, 0))
+        die["at"] = rng.randrange(1, counted[name] + 1)
+        with contextlib.suppress(Killed):
+            run_graft(logs, pub, target, once=True, config=config, commit_seconds=0)
+        check(pub)
+
+    for name in writes:
+        monkeypatch.setattr(os, name, real[name])
+    pub = tmp_path / "killed"
+    for _ in range(2):  # real SIGKILLs of one run, each at a random moment after its first commit
+        proc = _daemon(logs, pub, target, *flags)
+        _wait_for(pub / ".state" / METRICS)
+        time.sleep(rng.uniform(0.0, 0.5))
+        proc.kill()
+        proc.wait()
+    check(pub)
