@@ -10,7 +10,7 @@ evidence is applied as one unit, at one tick (the batch index):
 2. every touched row decays by ``2 ** (-(tick - touched) / half_life)`` (half-life in ticks), lazily: a row's
    candidates share one clock, so decay never changes the order inside a row and untouched rows cost nothing.
 3. weights for candidates already in the row are added; new candidates compete with the row's decayed scores,
-   and the row keeps its C best (score descending, token id ascending).
+   and the row keeps its C best (score descending; ties keep the held candidate, then the smaller token id).
 
 The result of a batch depends on the batch's evidence as a multiset, not on its order: scores are integers
 (sums are exact in any order), every sort is stable on a deterministic key. So replaying the same batches
@@ -34,6 +34,9 @@ SCALE = 1 << 10
 _Q = 24
 # Scores saturate here so that score * factor never overflows int64.
 _MAX_SCORE = 1 << 32
+# A merge sorts on slot << _SCORE_BITS | inverted score in one int64: slots must fit in the remaining bits.
+_SCORE_BITS = 40
+_SCORE_MASK = (1 << _SCORE_BITS) - 1
 
 
 def _stable_order(*keys: torch.Tensor) -> torch.Tensor:
@@ -48,7 +51,7 @@ class CandidateTable:
     """Successor candidates for at most ``rows`` of ``vocab_size`` tokens; see the module docstring."""
 
     def __init__(self, vocab_size: int, rows: int, candidates: int, half_life: float = 64.0) -> None:
-        if not 0 < rows <= vocab_size or candidates < 1 or half_life <= 0:
+        if not 0 < rows <= vocab_size < 1 << (63 - _SCORE_BITS) or candidates < 1 or half_life <= 0:
             raise ValueError(
                 f"need 0 < rows <= vocab_size, candidates >= 1, half_life > 0; got {rows}, "
                 f"{vocab_size}, {candidates}, {half_life}"
@@ -73,22 +76,22 @@ class CandidateTable:
 
     def add(self, rows: torch.Tensor, cands: torch.Tensor, weights: torch.Tensor, tick: int) -> int:
         """Apply one batch: ``rows`` (N,) tokens, ``cands`` (N, K) successors (-1 = padding), ``weights``
-        (N, K) int64 in ``SCALE`` units. ``tick`` grows by one per batch. Returns the number of rows touched."""
+        (N, K) int64 in ``SCALE`` units. ``tick`` increases from batch to batch. Returns the rows touched."""
         live = (cands >= 0) & (weights > 0)
         keep = live.any(dim=1)
         rows, cands, weights, live = rows[keep].long(), cands[keep].long(), weights[keep], live[keep]
+        if rows.numel():
+            rows, cands, weights, live = self._allocate(rows, cands, weights, live, tick)
         if rows.numel() == 0:
             return 0
-        rows, cands, weights, live = self._allocate(rows, cands, weights, live, tick)
-        if rows.numel() == 0:
-            return 0
-        slots = self.slot[rows].long()
-        hit = torch.zeros(self.row.shape[0], dtype=torch.bool)
-        hit[slots] = True
-        self._decay(hit.nonzero().squeeze(1), tick)
-        self._merge(slots, cands, weights, live)
-        self.score.clamp_(max=_MAX_SCORE)
-        return int(hit.sum())
+        node_slots = self.slot[rows].long()
+        touched = torch.unique(node_slots)
+        self._decay(touched, tick)
+        # Observation keys slot * V + candidate, -1 for padding. Shape: (N * K,).
+        keys = torch.where(live, node_slots[:, None] * self.vocab_size + cands, -1).view(-1)
+        self._merge(keys, weights.reshape(-1))
+        self.score[touched] = self.score[touched].clamp(max=_MAX_SCORE)
+        return touched.numel()
 
     def _allocate(
         self, rows: torch.Tensor, cands: torch.Tensor, weights: torch.Tensor, live: torch.Tensor, tick: int
@@ -111,7 +114,8 @@ class CandidateTable:
             self.score[evict] = 0
             free = (self.row < 0).nonzero().squeeze(1)
         if new.numel() > free.numel():
-            total = torch.zeros(new.numel(), dtype=torch.int64).index_add_(0, inverse, weights[new_mask].sum(1))
+            node_w = (weights[new_mask] * live[new_mask]).sum(1)
+            total = torch.zeros(new.numel(), dtype=torch.int64).index_add_(0, inverse, node_w)
             admitted = torch.zeros(new.numel(), dtype=torch.bool)
             admitted[_stable_order(-total, new)[: free.numel()]] = True
             self.dropped += int(total[~admitted].sum())
@@ -131,36 +135,35 @@ class CandidateTable:
         self.score[slots] = (self.score[slots] * factor[:, None]) >> _Q
         self.touched[slots] = tick
 
-    def _merge(self, slots: torch.Tensor, cands: torch.Tensor, weights: torch.Tensor, live: torch.Tensor) -> None:
-        # Candidates already in their row: add in place. Shape of the comparison: (N, K, C), done in chunks.
-        flat_score = self.score.view(-1)
-        fresh = torch.zeros_like(live)
-        C = self.candidates
-        for start in range(0, slots.numel(), 1 << 15):
-            s, c, w, lv = (t[start : start + (1 << 15)] for t in (slots, cands, weights, live))
-            eq = c[:, :, None] == self.ids[s][:, None, :]
-            found = eq.any(dim=2) & lv
-            col = eq.to(torch.uint8).argmax(dim=2)
-            flat_score.index_add_(0, (s[:, None] * C + col)[found], w[found])
-            fresh[start : start + (1 << 15)] = lv & ~found
-        if not fresh.any():
+    def _merge(self, keys: torch.Tensor, weights: torch.Tensor) -> None:
+        C, V = self.candidates, self.vocab_size
+        # Sum the batch per (slot, token) key; ``pairs`` comes out sorted, so slot-major, padding (-1) first.
+        pairs, inverse = torch.unique(keys, return_inverse=True)
+        pair_w = torch.zeros(pairs.numel(), dtype=torch.int64).index_add_(0, inverse, weights)
+        if pairs[0] < 0:
+            pairs, pair_w = pairs[1:], pair_w[1:]
+        # Pairs already held: compare with their row's C ids (a row holds an id at most once). Shape: (P, C).
+        slot, token = pairs // V, pairs % V
+        pair, column = (self.ids[slot] == token[:, None]).nonzero().unbind(1)
+        self.score.view(-1)[slot[pair] * C + column] += pair_w[pair]
+        found = torch.zeros(pairs.numel(), dtype=torch.bool)
+        found[pair] = True
+        if found.all():
             return
-        # New candidates: sum each (slot, token) pair over the batch, then each affected row keeps its C best
-        # of old and new together.
-        key = slots[:, None].expand_as(cands)[fresh] * self.vocab_size + cands[fresh]
-        pairs, inverse = torch.unique(key, return_inverse=True)
-        new_w = torch.zeros(pairs.numel(), dtype=torch.int64).index_add_(0, inverse, weights[fresh])
-        new_slot, new_id = pairs // self.vocab_size, pairs % self.vocab_size
-        affected = torch.unique(new_slot)
+        # New candidates compete with their row's held ones; each affected row keeps its C best. One stable
+        # sort on (slot, score descending): ties keep the held candidate, then the smaller token id.
+        new_slot, new_id, new_w = slot[~found], token[~found], pair_w[~found]
+        affected = torch.unique_consecutive(new_slot)
         old_ids, old_score = self.ids[affected], self.score[affected]
         occupied = old_ids >= 0
         all_slot = torch.cat([affected[:, None].expand_as(old_ids)[occupied], new_slot])
         all_id = torch.cat([old_ids[occupied], new_id])
         all_score = torch.cat([old_score[occupied], new_w])
-        order = _stable_order(all_slot, -all_score, all_id)
+        key = (all_slot << _SCORE_BITS) | (_SCORE_MASK - all_score.clamp(max=_SCORE_MASK))
+        order = torch.sort(key, stable=True).indices
         all_slot, all_id, all_score = all_slot[order], all_id[order], all_score[order]
-        first = torch.searchsorted(all_slot, all_slot)
-        rank = torch.arange(all_slot.numel()) - first
+        counts = torch.unique_consecutive(all_slot, return_counts=True)[1]
+        rank = torch.arange(all_slot.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
         kept = rank < C
         self.ids[affected] = -1
         self.score[affected] = 0

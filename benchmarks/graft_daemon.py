@@ -1,0 +1,195 @@
+"""Graft daemon throughput: tree nodes/s per ingest stage, and snapshot publish latency, for the tiny vocabulary
+and a 152k one (Qwen3's 151,936).
+
+Stages, each timed alone on the same synthetic traffic (steady state: the table is warmed first):
+
+- aggregate: ``cap_per_replica`` + ``CandidateTable.add`` on evidence tensors (the daemon's own work);
+- evidence: parsed step records -> evidence tensors (``step_evidence``);
+- parse: JSON lines -> validated records (``LogReader``: ``json.loads`` + the shared validator);
+- end to end: ``GraftState.apply`` after parsing, i.e. all of the above.
+
+Traffic: step records of ``--nodes`` verified nodes (root included), top-8 each, from 4 replicas; node tokens
+are Zipf-distributed over the vocabulary and their top-8 mostly follow a fixed successor function (as a real
+target's would), with ``--noise`` of the ids random. On CPU::
+
+    OMP_NUM_THREADS=1 python benchmarks/graft_daemon.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from trainer.adapt.candidates import SCALE
+from trainer.adapt.graft import GraftConfig, GraftState, cap_per_replica, step_evidence
+from trainer.adapt.publish import ADJACENCY, ADJACENCY_TENSOR, publish
+from trainer.vlog.reader import LogReader
+from trainer.vlog.schema import step_record
+
+CLOCK = time.process_time
+
+
+def zipf_tokens(n: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """Token ids with a Zipf(1.1) rank distribution, ranks scattered over the vocabulary."""
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float64)
+    probs = ranks.pow(-1.1)
+    sampled = torch.multinomial(probs / probs.sum(), n, replacement=True, generator=generator)
+    return torch.randperm(vocab, generator=generator)[sampled]
+
+
+def traffic(records: int, nodes: int, vocab: int, noise: float, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = zipf_tokens(records * nodes, vocab, g).view(records, nodes)
+    successors = (tokens[..., None] * 31 + 7 * torch.arange(8) + 1) % vocab
+    random_ids = torch.randint(0, vocab, successors.shape, generator=g)
+    ids = torch.where(torch.rand(successors.shape, generator=g) < noise, random_ids, successors)
+    logprobs = -0.3 - 0.6 * torch.arange(8.0) - 0.1 * torch.rand(successors.shape, generator=g)
+    out = []
+    for i in range(records):
+        n = nodes - 1
+        out.append(
+            step_record(
+                server=f"replica{i % 4}",
+                request=f"q{i // 16}",
+                tenant=None,
+                shareable=True,
+                step=i % 16,
+                drafter="eagle3",
+                drafter_version=1,
+                tree="ddtree",
+                budget=n,
+                pos=100 + i % 16,
+                root=int(tokens[i, 0]),
+                tokens=tokens[i, 1:].tolist(),
+                parents=[-1, *range(n - 1)],
+                accepted=[0],
+                bonus=int(successors[i, -1, 0]),
+                topk_ids=ids[i].tolist(),
+                topk_logprobs=[[round(x, 5) for x in row] for row in logprobs[i].tolist()],
+                ms={"draft": 1.0, "tree": 0.1, "verify": 2.0},
+            )
+        )
+    return out
+
+
+def best_seconds(fn, repeats: int) -> float:
+    """Median CPU seconds of this process (``--clock cpu``, the default: other jobs on a shared machine do
+    not count) or wall seconds (``--clock wall``) of ``fn``."""
+    times = []
+    for _ in range(repeats):
+        start = CLOCK()
+        fn()
+        times.append(CLOCK() - start)
+    return statistics.median(times)
+
+
+def measure(vocab: int, args: argparse.Namespace) -> dict[str, float]:
+    config = GraftConfig(batch_records=args.batch_records)
+    batches = [traffic(args.batch_records, args.nodes, vocab, args.noise, seed) for seed in range(args.batches)]
+    nodes = sum(len(r["tokens"]) + 1 for b in batches for r in b)
+    servers = [[int(r["server"][-1]) for r in batch] for batch in batches]
+
+    state = GraftState.fresh(vocab, config)
+    for batch in batches:  # warm: rows exist, most candidates are known
+        state.apply(batch, len(batch))
+    evidence = [step_evidence(b, s, config.candidates) for b, s in zip(batches, servers, strict=True)]
+    cap = round(config.replica_row_cap * SCALE)
+
+    def aggregate() -> None:
+        for i, e in enumerate(evidence):
+            weights = cap_per_replica(e, vocab, cap)
+            state.shared.add(e.rows, e.cands, weights, state.tick + i + 1)
+
+    def convert() -> None:
+        for b, s in zip(batches, servers, strict=True):
+            step_evidence(b, s, config.candidates)
+
+    def apply() -> None:
+        for batch in batches:
+            state.apply(batch, len(batch))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = Path(tmp) / "logs"
+        logs.mkdir()
+        lines = "".join(json.dumps(r) + "\n" for b in batches for r in b)
+        (logs / "bench-000000-1.jsonl").write_text(lines)
+
+        def parse() -> None:
+            for _ in LogReader(logs, vocab_size=vocab):
+                pass
+
+        times = {
+            "aggregate": best_seconds(aggregate, args.repeats),
+            "evidence": best_seconds(convert, args.repeats),
+            "parse": best_seconds(parse, args.repeats),
+            "apply": best_seconds(apply, args.repeats),
+        }
+        adjacency_s = best_seconds(lambda: state.shared.adjacency(config.width), args.repeats)
+        matrix = state.shared.adjacency(config.width)
+        pub = Path(tmp) / "pub"
+        # Publishing waits on fsync: wall time is its latency, whatever --clock says.
+        publish_s = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            publish(pub, lambda d: save_file({ADJACENCY_TENSOR: matrix}, d / ADJACENCY), {})
+            publish_s.append(time.perf_counter() - start)
+        publish_s = statistics.median(publish_s)
+        mb = len(lines) / 1e6
+    return {
+        "nodes": nodes,
+        "log_mb": mb,
+        "aggregate": nodes / times["aggregate"],
+        "evidence": nodes / times["evidence"],
+        "parse": nodes / times["parse"],
+        "end_to_end": nodes / (times["parse"] + times["apply"]),
+        "adjacency_ms": adjacency_s * 1e3,
+        "publish_ms": publish_s * 1e3,
+        "rows_held": state.shared.held(),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vocabs", default="8192,151936")
+    p.add_argument("--nodes", type=int, default=32, help="verified nodes per step record (root included)")
+    p.add_argument("--batch-records", type=int, default=256)
+    p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--noise", type=float, default=0.2, help="share of top-k ids that are random")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="CPU time of this process, or wall time")
+    args = p.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    torch.set_num_threads(1)
+    print(
+        f"{args.batches} batches x {args.batch_records} step records x {args.nodes} nodes, top-8, 4 replicas; "
+        f"{args.clock} time, one thread"
+    )
+    header = f"{'V':>8} {'aggregate':>12} {'evidence':>12} {'parse':>12} {'end to end':>12}  (nodes/s)"
+    print(header)
+    results = {}
+    for vocab in (int(v) for v in args.vocabs.split(",")):
+        r = results[vocab] = measure(vocab, args)
+        rates = " ".join(f"{r[k]:>12,.0f}" for k in ("aggregate", "evidence", "parse", "end_to_end"))
+        print(f"{vocab:>8} {rates}")
+    print("\nshare of end-to-end time per stage, and publish latency")
+    for vocab, r in results.items():
+        total = 1 / r["end_to_end"]
+        shares = {k: (1 / r[k]) / total for k in ("parse", "evidence", "aggregate")}
+        print(
+            f"V={vocab}: parse {shares['parse']:.0%} · evidence {shares['evidence']:.0%} · aggregate "
+            f"{shares['aggregate']:.0%} · aggregate/parse speed {r['aggregate'] / r['parse']:.1f}x · "
+            f"adjacency {r['adjacency_ms']:.1f} ms + publish {r['publish_ms']:.1f} ms (wall) "
+            f"({r['rows_held']} rows held)"
+        )
+
+
+if __name__ == "__main__":
+    main()
