@@ -211,16 +211,18 @@ def test_partial_last_line_is_waited_for_and_the_rename_keeps_offsets(tmp_path):
         (json.dumps(step(parents=[-1, 0])), "'parents' has 2 entries for 3 tokens"),
         ("", "empty line"),
         ('"just a string"', "a record is a JSON object, got str"),
-        ("\xff\xfe{", "not JSON"),
+        (b'{"v": 1, "kind": "\xff\xfe"}', "line is not UTF-8"),
+        ("[" * 100000 + "]" * 100000, "nested too deeply"),
     ],
 )
 def test_hostile_lines_are_rejected_with_their_reason_between_good_ones(tmp_path, line, expected):
-    good = json.dumps(step()) + "\n"
-    (tmp_path / "w-000000-1700000000000.jsonl").write_text(good + line + "\n" + good)
+    good = json.dumps(step()).encode() + b"\n"
+    line = line if isinstance(line, bytes) else line.encode()
+    (tmp_path / "w-000000-1700000000000.jsonl").write_bytes(good + line + b"\n" + good)
     items = read_all(tmp_path)[0]
     assert [type(r) for *_, r in items] == [dict, RecordError, dict]
     name, offset, end, error = items[1]
-    assert (name, offset, end) == ("w-000000-1700000000000", len(good), len(good) + len((line + "\n").encode()))
+    assert (name, offset, end) == ("w-000000-1700000000000", len(good), len(good) + len(line) + 1)
     assert expected in error.reason
     assert (error.file, error.offset) == (name, offset)
 

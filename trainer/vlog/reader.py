@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+import orjson
+
 from trainer.vlog.schema import MAX_LINE_BYTES, RecordError, validate
 from trainer.vlog.segments import FINISHED, PART, Segment, list_segments
 
@@ -122,13 +124,22 @@ class LogReader:
             if not line.strip():
                 raise RecordError("empty line")
             try:
-                obj = json.loads(line)
-            except UnicodeDecodeError:
-                raise RecordError("line is not UTF-8") from None
-            except json.JSONDecodeError as e:
-                raise RecordError(f"not JSON: {e.msg} at column {e.colno}") from None
-            except RecursionError:
-                raise RecordError("JSON nested too deeply") from None
+                obj = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                obj = _parse_slowly(line)
             return validate(obj, self.vocab_size)
         except RecordError as e:
             return RecordError(e.reason, key, offset)
+
+
+def _parse_slowly(line: bytes) -> object:
+    """The standard parser on what orjson refused: it accepts NaN/Infinity and integers beyond 64 bits (the
+    validator then names the field), and otherwise says what is wrong and where."""
+    try:
+        return json.loads(line)
+    except UnicodeDecodeError:
+        raise RecordError("line is not UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise RecordError(f"not JSON: {e.msg} at column {e.colno}") from None
+    except RecursionError:
+        raise RecordError("JSON nested too deeply") from None

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import atexit
 import fcntl
-import json
 import os
 import queue
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import orjson
 
 from trainer.errors import UserError
 from trainer.vlog.schema import MAX_LINE_BYTES, RecordError, validate
@@ -154,8 +155,8 @@ class LogWriter:
         record = item() if callable(item) else item
         validate(record, self.vocab_size)
         try:
-            line = json.dumps(record, separators=(",", ":"), allow_nan=False).encode() + b"\n"
-        except ValueError as e:
+            line = orjson.dumps(record) + b"\n"
+        except orjson.JSONEncodeError as e:
             raise RecordError(f"record cannot be encoded as JSON: {e}") from None
         if len(line) > MAX_LINE_BYTES:
             raise RecordError(f"record of {len(line)} bytes exceeds the {MAX_LINE_BYTES}-byte line limit")
