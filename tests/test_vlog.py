@@ -262,3 +262,47 @@ def test_empty_and_foreign_files_yield_nothing(tmp_path):
     items, reader = read_all(tmp_path)
     assert items == []
     assert reader.offsets == {}
+
+
+# ---- trainer eval --logs --------------------------------------------------------------------------------------
+def test_eval_logs_reproduce_every_speculative_run(tmp_path):
+    import torch
+    from conftest import make_tiny_target
+
+    from trainer.cli import main
+    from trainer.drafters.dflash import DFlashDraftModel, build_config
+
+    config = make_tiny_target(tmp_path / "target", num_layers=2)
+    torch.manual_seed(0)
+    DFlashDraftModel(build_config(config, 1, 8, mask_token_id=3)).save_pretrained(tmp_path / "dflash")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"def f{i}(x):\n"}) + "\n" for i in range(2)))
+    main(
+        ["eval", "--drafter", str(tmp_path / "dflash"), "--target", str(tmp_path / "target"), "--prompts",
+         str(prompts), "--tree", "ddtree,recycling", "--budget", "4", "--max-new-tokens", "12", "--temperature",
+         "0.7", "--out", str(tmp_path / "out"), "--check-lossless", "--ignore-eos", "--logs", str(tmp_path / "logs")]
+    )  # fmt: skip
+    items = list(LogReader(tmp_path / "logs", vocab_size=config.vocab_size))
+    records = [r for *_, r in items]
+    assert all(isinstance(r, dict) for r in records), [r for r in records if not isinstance(r, dict)]
+    requests = {r["request"]: r for r in records if r["kind"] == "request"}
+    runs = {f"{c}/{t}/4/p{i}" for c in ("T=0.7", "greedy") for t in ("ddtree", "recycling") for i in range(2)}
+    assert set(requests) == runs
+    assert all(r["server"] == "eval" and r["tenant"] is None and r["shareable"] for r in records)
+    for name, req in requests.items():
+        steps = [r for r in records if r["kind"] == "step" and r["request"] == name]
+        assert [s["step"] for s in steps] == list(range(len(steps))) and steps
+        output, committed = req["output_ids"], req["output_ids"][:1]
+        for s in steps:
+            # The root is the last committed token, at the position after the context.
+            assert (s["root"], s["pos"]) == (committed[-1], len(req["prompt_ids"]) + len(committed) - 1)
+            new = [s["tokens"][a] for a in s["accepted"]] + [s["bonus"]]
+            if name.startswith("greedy"):
+                # Greedy commits the target's argmax: the top-1 of the root's row, then of each accepted node's.
+                rows = [0] + [a + 1 for a in s["accepted"]]
+                assert [s["topk_ids"][row][0] for row in rows] == new
+            assert all(row == sorted(row, reverse=True) for row in s["topk_logprobs"])
+            committed += new
+        # Only the last step may commit less than it accepted (max_new_tokens).
+        assert committed[: len(output)] == output and len(committed) - len(output) <= len(new) - 1
+        assert len(output) == 12

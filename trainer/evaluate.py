@@ -39,6 +39,8 @@ from trainer.spec.options import TreeOptions
 from trainer.spec.verify import Sampling
 from trainer.target import load_causal_lm
 from trainer.textstats import ends_in_loop, ngram_repetition
+from trainer.vlog.recorder import StepRecorder
+from trainer.vlog.writer import LogWriter
 
 PHASES = ("draft", "tree", "verify", "commit")
 
@@ -168,8 +170,11 @@ def evaluate(
     check_lossless: bool,
     stop_token_ids: set[int],
     options: TreeOptions = DEFAULT_OPTIONS,
+    log: LogWriter | None = None,
+    drafter_name: str | None = None,
 ) -> dict:
-    """Every (condition, tree, budget) over every prompt, with plain decoding beside it. The summary dict."""
+    """Every (condition, tree, budget) over every prompt, with plain decoding beside it. The summary dict.
+    With ``log``, every measured speculative run writes its verifier log (request id ``cond/tree/budget/id``)."""
     runs = [(c, t, b) for c in conditions for t in trees for b in budgets]
     # Token Recycling keeps its adjacency matrix across requests ("hot start"): one session per run.
     recycling: dict[tuple, RecyclingSession] = {}
@@ -178,17 +183,26 @@ def evaluate(
     baseline = {c: Totals() for c in conditions}
     baseline_outputs: dict[str, list[list[int]]] = {c: [] for c in conditions}
 
-    def run(cond: str, tree: str, budget: int, i: int) -> Generation:
+    def run(cond: str, tree: str, budget: int, i: int, logged: bool = False) -> Generation:
         key = (cond, tree, budget)
         if tree == "recycling":
             session = recycling.setdefault(key, make_session(tree, target, drafter, options))
         else:
             session = make_session(tree, target, drafter, options)
         gen = torch.Generator(device=target.device).manual_seed(seed + i)
-        return generate(
+        recorder = None
+        if logged and log is not None:
+            recorder = StepRecorder(
+                log, server="eval", request=f"{cond}/{tree}/{budget}/{prompts[i]['id']}", tenant=None,
+                shareable=True, drafter=drafter_name, drafter_version=None,
+            )  # fmt: skip
+        g = generate(
             target, session, BUILDERS[tree], encoded[i], max_new_tokens, budget, conditions[cond], gen, stop_token_ids,
-            options,
+            options, recorder,
         )  # fmt: skip
+        if recorder is not None:
+            recorder.finish(encoded[i].tolist(), g.tokens)
+        return g
 
     # Warm-up outside the measurement: allocator, kernels, lazy imports.
     for tree in trees:
@@ -206,7 +220,7 @@ def evaluate(
                 for tree in trees:
                     for budget in budgets:
                         key = (cond, tree, budget)
-                        g = run(cond, tree, budget, i)
+                        g = run(cond, tree, budget, i, logged=True)
                         totals[key].add(g)
                         record = {"id": row["id"], "tau": g.tau, "tokens": g.tokens}
                         if check_lossless:
@@ -330,6 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, required=True, help="output directory (summary.json, summary.md, PNGs)")
     p.add_argument("--check-lossless", action="store_true", help="compare every output with plain decoding")
+    p.add_argument(
+        "--logs",
+        type=Path,
+        help="write the verifier log of every speculative run into this directory (docs/verifier_log.md); "
+        "the measured times then include logging",
+    )
     p.add_argument("--target", help="target HF directory or hub id (default: the drafter run's recipe target)")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts only")
     p.add_argument("--seed", type=int, default=0)
@@ -381,10 +401,15 @@ def main(argv: list[str]) -> None:
     if not headline.greedy and not args.no_greedy_beside:
         conditions["greedy"] = Sampling()
     start = time.perf_counter()
-    summary = evaluate(
-        target, drafter, prompts, encoded, trees, budgets, conditions, args.max_new_tokens, args.seed,
-        args.check_lossless, stops, options,
-    )  # fmt: skip
+    log = LogWriter(args.logs, "eval", vocab_size=target.config.vocab_size) if args.logs else None
+    try:
+        summary = evaluate(
+            target, drafter, prompts, encoded, trees, budgets, conditions, args.max_new_tokens, args.seed,
+            args.check_lossless, stops, options, log, str(args.drafter) if args.drafter else None,
+        )  # fmt: skip
+    finally:
+        if log is not None:
+            log.close()
     summary.update(
         drafter=str(args.drafter) if args.drafter else None,
         target=target_name,

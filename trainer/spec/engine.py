@@ -310,6 +310,26 @@ class Step:
     seconds: dict[str, float]
 
 
+@dataclass(frozen=True)
+class StepEvent:
+    """What one verification step saw, handed to ``generate``'s ``on_step`` hook (the verifier log's source)."""
+
+    step: int
+    # Position of the root: the context length before this step.
+    pos: int
+    root: int
+    tree: Tree
+    # Accepted engine node indices from the root (node 0) down; draft node i is tree node i + 1.
+    path: list[int]
+    bonus: int
+    # Shape: (N + 1, V) float; the target's logits at every tree node, root first. Not to be modified.
+    logits: torch.Tensor
+    # Milliseconds per phase of this step: draft, tree, verify.
+    ms: dict[str, float]
+    budget: int
+    builder: str
+
+
 @dataclass
 class Generation:
     # The new tokens, the prefill's first token included.
@@ -342,9 +362,12 @@ def generate(
     generator: torch.Generator | None = None,
     stop_token_ids: set[int] | None = None,
     options: TreeOptions = DEFAULT_OPTIONS,
+    on_step: Callable[[StepEvent], None] | None = None,
 ) -> Generation:
     """Decode up to ``max_new_tokens`` after ``prompt`` (Shape: (P,)). Lossless: greedy output equals the
-    target's greedy decoding; sampled output is distributed as the target's sampling with ``sampling``."""
+    target's greedy decoding; sampled output is distributed as the target's sampling with ``sampling``.
+    ``on_step`` is called after every verification step (timed as the ``log`` phase); it reports the
+    verifier's acceptance, which the last step may commit only in part (``max_new_tokens``, stop tokens)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
     device = target.device
@@ -408,8 +431,17 @@ def generate(
             path = result.path[: len(new)]
             compact_cache(cache, past_len, path)
             session.commit([root, *new[:-1]], features(out, torch.tensor(path, device=device)), tree, logits)
-            past_len += len(path)
             tokens.extend(new)
+        if on_step is not None:
+            with clock("log"):
+                ms = {phase: 1000 * clock.seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify")}
+                on_step(
+                    StepEvent(
+                        len(generation.steps), past_len, root, tree, result.path, result.bonus, logits, ms, budget,
+                        builder.name,
+                    )
+                )  # fmt: skip
+        past_len += len(path)
         generation.steps.append(
             Step(
                 result.accepted,

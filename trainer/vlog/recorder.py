@@ -1,0 +1,71 @@
+"""The ``on_step`` hook that logs one request's verification steps, and its closing request record.
+
+On the decoding thread the hook only takes the target's top-k of every verified node (Shape: (N + 1, k)) and
+the log-normaliser of each row, both small; list conversion, record assembly, validation
+and JSON encoding run on the writer's thread::
+
+    recorder = StepRecorder(writer, server="eval", request="p0", tenant=None, shareable=True,
+                            drafter="dflash_tiny", drafter_version=None)
+    g = generate(target, session, builder, prompt, 64, budget=16, on_step=recorder)
+    recorder.finish(prompt.tolist(), g.tokens)
+"""
+
+from __future__ import annotations
+
+from trainer.spec.engine import StepEvent
+from trainer.vlog.schema import MIN_TOPK, request_record, step_record
+from trainer.vlog.writer import LogWriter
+
+# Log-probs are logged to 1e-4 nats: short decimals halve the line and its parsing time.
+LOGPROB_SCALE = 1e4
+
+
+class StepRecorder:
+    def __init__(
+        self,
+        writer: LogWriter,
+        *,
+        server: str,
+        request: str,
+        tenant: str | None,
+        shareable: bool,
+        drafter: str | None,
+        drafter_version: str | int | None,
+        k: int = MIN_TOPK,
+    ) -> None:
+        self.writer = writer
+        self.identity = {"server": server, "request": request, "tenant": tenant, "shareable": shareable}
+        self.drafter = drafter
+        self.drafter_version = drafter_version
+        self.k = k
+
+    def __call__(self, event: StepEvent) -> None:
+        top = event.logits.topk(self.k, dim=-1)
+        norm = event.logits.logsumexp(-1, keepdim=True)
+        logprobs = top.values - norm
+
+        def record() -> dict:
+            # Engine node i + 1 is draft node i: the root (engine 0) becomes parent -1.
+            return step_record(
+                **self.identity,
+                step=event.step,
+                drafter=self.drafter,
+                drafter_version=self.drafter_version,
+                tree=event.builder,
+                budget=event.budget,
+                pos=event.pos,
+                root=event.root,
+                tokens=event.tree.tokens[1:].tolist(),
+                parents=(event.tree.parents[1:] - 1).tolist(),
+                accepted=[node - 1 for node in event.path[1:]],
+                bonus=event.bonus,
+                topk_ids=top.indices.tolist(),
+                topk_logprobs=((logprobs.double() * LOGPROB_SCALE).round() / LOGPROB_SCALE).tolist(),
+                ms=event.ms,
+            )
+
+        self.writer.write(record)
+
+    def finish(self, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """The request record, once the output is known."""
+        self.writer.write(request_record(**self.identity, prompt_ids=prompt_ids, output_ids=output_ids))
