@@ -1,8 +1,11 @@
 """The ``on_step`` hook that logs one request's verification steps, and its closing request record.
 
-On the decoding thread the hook only takes the target's top-k of every verified node (Shape: (N + 1, k)) and
-the log-normaliser of each row, both small; list conversion, record assembly, validation
-and JSON encoding run on the writer's thread::
+On CPU the hook hands the step's logits (Shape: (N + 1, V)) to the writer thread, which takes the top-k of
+every verified node and its log-normaliser there (torch releases the GIL while it does). At most
+``max_deferred`` logits tensors per writer wait at a time (``LogWriter.deferred``); beyond that the hook
+reduces them itself, so a lagging writer costs bounded memory. On an accelerator the hook reduces them where
+they are (cheap, asynchronous) and only the (N + 1, k) results travel. List conversion, record assembly,
+validation and JSON encoding always run on the writer thread::
 
     recorder = StepRecorder(writer, server="eval", request="p0", tenant=None, shareable=True,
                             drafter="dflash_tiny", drafter_version=None)
@@ -12,12 +15,20 @@ and JSON encoding run on the writer's thread::
 
 from __future__ import annotations
 
+import torch
+
 from trainer.spec.engine import StepEvent
 from trainer.vlog.schema import MIN_TOPK, request_record, step_record
 from trainer.vlog.writer import LogWriter
 
 # Log-probs are logged to 1e-4 nats: short decimals halve the line and its parsing time.
 LOGPROB_SCALE = 1e4
+
+
+def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids and their log-probs per row. Shapes: (N + 1, k) each."""
+    top = logits.topk(k, dim=-1)
+    return top.indices, top.values - logits.logsumexp(-1, keepdim=True)
 
 
 class StepRecorder:
@@ -40,31 +51,39 @@ class StepRecorder:
         self.k = k
 
     def __call__(self, event: StepEvent) -> None:
-        top = event.logits.topk(self.k, dim=-1)
-        norm = event.logits.logsumexp(-1, keepdim=True)
-        logprobs = top.values - norm
+        logits = event.logits
+        if logits.device.type == "cpu" and self.writer.deferred.acquire(blocking=False):
 
-        def record() -> dict:
-            # Engine node i + 1 is draft node i: the root (engine 0) becomes parent -1.
-            return step_record(
-                **self.identity,
-                step=event.step,
-                drafter=self.drafter,
-                drafter_version=self.drafter_version,
-                tree=event.builder,
-                budget=event.budget,
-                pos=event.pos,
-                root=event.root,
-                tokens=event.tree.tokens[1:].tolist(),
-                parents=(event.tree.parents[1:] - 1).tolist(),
-                accepted=[node - 1 for node in event.path[1:]],
-                bonus=event.bonus,
-                topk_ids=top.indices.tolist(),
-                topk_logprobs=((logprobs.double() * LOGPROB_SCALE).round() / LOGPROB_SCALE).tolist(),
-                ms=event.ms,
-            )
+            def record() -> dict:
+                try:
+                    return self._record(event, *_top(logits, self.k))
+                finally:
+                    self.writer.deferred.release()
 
-        self.writer.write(record)
+            self.writer.write(record)
+        else:
+            top = _top(logits, self.k)
+            self.writer.write(lambda: self._record(event, *top))
+
+    def _record(self, event: StepEvent, ids: torch.Tensor, logprobs: torch.Tensor) -> dict:
+        # Engine node i + 1 is draft node i: the root (engine 0) becomes parent -1.
+        return step_record(
+            **self.identity,
+            step=event.step,
+            drafter=self.drafter,
+            drafter_version=self.drafter_version,
+            tree=event.builder,
+            budget=event.budget,
+            pos=event.pos,
+            root=event.root,
+            tokens=event.tree.tokens[1:].tolist(),
+            parents=(event.tree.parents[1:] - 1).tolist(),
+            accepted=[node - 1 for node in event.path[1:]],
+            bonus=event.bonus,
+            topk_ids=ids.tolist(),
+            topk_logprobs=((logprobs.double() * LOGPROB_SCALE).round() / LOGPROB_SCALE).tolist(),
+            ms=event.ms,
+        )
 
     def finish(self, prompt_ids: list[int], output_ids: list[int]) -> None:
         """The request record, once the output is known."""

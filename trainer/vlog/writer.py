@@ -46,6 +46,7 @@ class LogWriter:
         max_seconds: float = 300.0,
         queue_size: int = 4096,
         vocab_size: int | None = None,
+        max_deferred: int = 8,
     ) -> None:
         if not PREFIX.fullmatch(prefix):
             raise UserError(f"log prefix {prefix!r} must be letters, digits, '_', '.', '-' (not starting with '.')")
@@ -72,6 +73,9 @@ class LogWriter:
         self._opened = 0.0
         self._size = 0
         self._queue: queue.Queue = queue.Queue(queue_size)
+        # Slots for queued callables that hold large tensors (a step's logits): whoever takes one releases it
+        # once its callable has run; without a slot, reduce the tensor before writing.
+        self.deferred = threading.BoundedSemaphore(max_deferred)
         self._error: BaseException | None = None
         self._closed = False
         self.records = 0

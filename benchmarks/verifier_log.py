@@ -1,0 +1,154 @@
+"""What the verifier log costs: its share of a decoding step, writer throughput, reader + validator throughput.
+
+1. Overhead: the shipped tiny target and DFlash drafter decode the same held-out prompts greedily with the
+   DDTree builder, without and with the logging hook (``StepRecorder`` on a ``LogWriter``), alternating which
+   goes first; greedy decoding takes the same steps both ways, so milliseconds per step compare directly. The
+   hook's time on the decoding thread (the engine's ``log`` phase) is reported beside the difference of whole
+   steps, which also holds what the writer thread costs the decoding thread (GIL, CPU).
+2. Writer: step records of ``budget`` draft nodes (k = 8) written until ``close`` returns: records/s, MB/s.
+3. Reader: ``LogReader`` with the validator over those segments: verified tree nodes (N + 1 rows per step
+   record) per second, for the tiny vocabulary and for a 152k one.
+
+Ratios, not absolute times, are the result (the machine is shared). On CPU::
+
+    OMP_NUM_THREADS=1 python benchmarks/verifier_log.py --budgets 16,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trainer.spec.drafting import load_drafter
+from trainer.spec.engine import BUILDERS, generate, make_session
+from trainer.vlog.reader import LogReader
+from trainer.vlog.recorder import StepRecorder
+from trainer.vlog.schema import step_record
+from trainer.vlog.writer import LogWriter
+
+
+def load(args: argparse.Namespace) -> tuple:
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    drafter = load_drafter(args.drafter)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    lines = args.prompts.read_text().splitlines()[: args.prompts_n]
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"][-96:]  # noqa: E731
+    return target, drafter, [torch.tensor(encode(json.loads(line)["prompt"])) for line in lines]
+
+
+def overhead(args: argparse.Namespace, models: tuple, budget: int, log_dir: Path) -> dict:
+    target, drafter, prompts = models
+    builder = BUILDERS["ddtree"]
+    plain_ms, logged_ms, hook_ms = [], [], []
+    with LogWriter(log_dir, f"bench{budget}", vocab_size=target.config.vocab_size) as writer:
+
+        def run(prompt: torch.Tensor, name: str | None):
+            recorder = None
+            if name is not None:
+                recorder = StepRecorder(writer, server="bench", request=name, tenant=None, shareable=True,
+                                        drafter=args.drafter, drafter_version=None)  # fmt: skip
+            session = make_session("ddtree", target, drafter)
+            g = generate(target, session, builder, prompt, args.max_new_tokens, budget, on_step=recorder)
+            if recorder is not None:
+                recorder.finish(prompt.tolist(), g.tokens)
+            return g
+
+        run(prompts[0], None)  # warm-up
+        for rep in range(args.repeats):
+            for i, prompt in enumerate(prompts):
+                order = [None, f"{rep}/{i}"] if (rep + i) % 2 == 0 else [f"{rep}/{i}", None]
+                results = {name is None: run(prompt, name) for name in order}
+                plain, logged = results[True], results[False]
+                assert plain.tokens == logged.tokens, "logging changed the output"
+                plain_ms.append(1000 * plain.decode_seconds / len(plain.steps))
+                logged_ms.append(1000 * logged.decode_seconds / len(logged.steps))
+                hook_ms.append(1000 * sum(s.seconds.get("log", 0.0) for s in logged.steps) / len(logged.steps))
+    plain, logged, hook = (statistics.median(x) for x in (plain_ms, logged_ms, hook_ms))
+    # Per pair, so that machine load common to both runs cancels.
+    diff = statistics.median((b - a) / a for a, b in zip(plain_ms, logged_ms, strict=True))
+    return {"plain": plain, "logged": logged, "hook": hook, "share": diff, "hook_share": hook / plain}
+
+
+def synthetic_records(n: int, nodes: int, vocab: int, seed: int) -> list[dict]:
+    """Step records shaped like the engine's: a random tree of ``nodes`` draft nodes, k = 8, log-probs to 1e-4."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        parents = [-1] + [rng.randrange(-1, j) for j in range(1, nodes)]
+        records.append(
+            step_record(server="bench", request=f"r{i // 32}", tenant=None, shareable=True, step=i % 32,
+                        drafter="dflash", drafter_version=1, tree="ddtree", budget=nodes, pos=100 + i,
+                        root=rng.randrange(vocab), tokens=[rng.randrange(vocab) for _ in range(nodes)],
+                        parents=parents, accepted=[0], bonus=rng.randrange(vocab),
+                        topk_ids=[[rng.randrange(vocab) for _ in range(8)] for _ in range(nodes + 1)],
+                        topk_logprobs=[sorted((-round(rng.random() * 10, 4) for _ in range(8)), reverse=True)
+                                       for _ in range(nodes + 1)],
+                        ms={"draft": 1.5, "tree": 0.25, "verify": 6.0})
+        )  # fmt: skip
+    return records
+
+
+def throughput(records: list[dict], vocab: int, directory: Path) -> dict:
+    start = time.perf_counter()
+    with LogWriter(directory, "tp", max_bytes=16 << 20, vocab_size=vocab) as writer:
+        for r in records:
+            writer.write(r)
+    write_s = time.perf_counter() - start
+    size = sum(f.stat().st_size for f in directory.glob("*.jsonl"))
+    start = time.perf_counter()
+    rows = bad = 0
+    for *_, record in LogReader(directory, vocab_size=vocab):
+        if isinstance(record, dict):
+            rows += len(record["topk_ids"])
+        else:
+            bad += 1
+    read_s = time.perf_counter() - start
+    assert bad == 0
+    return {"records_s": len(records) / write_s, "mb_s": size / write_s / 1e6, "nodes_s": rows / read_s}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="checkpoints/target_tiny")
+    p.add_argument("--drafter", default="checkpoints/dflash_tiny")
+    p.add_argument("--prompts", type=Path, default=Path("data/prompts/stdlib_heldout.jsonl"))
+    p.add_argument("--prompts-n", type=int, default=4)
+    p.add_argument("--budgets", default="16,64")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--records", type=int, default=4000)
+    args = p.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    budgets = [int(b) for b in args.budgets.split(",")]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        print("logging overhead per decoding step (greedy, ddtree, tiny target; medians)")
+        print("| budget | plain ms/step | logged ms/step | hook ms/step | hook / step | (logged - plain) / plain |")
+        print("|---|---|---|---|---|---|")
+        models = load(args)
+        for budget in budgets:
+            r = overhead(args, models, budget, Path(tmp) / "overhead")
+            print(f"| {budget} | {r['plain']:.2f} | {r['logged']:.2f} | {r['hook']:.3f} | {r['hook_share']:.1%} "
+                  f"| {r['share']:+.1%} |")  # fmt: skip
+
+        print("\nwriter and reader + validator throughput (synthetic step records, k = 8)")
+        print("| vocab | draft nodes | writer records/s | writer MB/s | reader nodes/s |")
+        print("|---|---|---|---|---|")
+        for vocab in (8192, 151936):
+            for budget in budgets:
+                records = synthetic_records(args.records, budget, vocab, seed=budget)
+                r = throughput(records, vocab, Path(tmp) / f"tp-{vocab}-{budget}")
+                print(f"| {vocab} | {budget} | {r['records_s']:,.0f} | {r['mb_s']:.1f} | {r['nodes_s']:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()
