@@ -62,8 +62,9 @@ class CandidateTable:
         # Shape: (R,) token held in a slot, -1 = free; tick of the slot's last update.
         self.row = torch.full((rows,), -1, dtype=torch.int64)
         self.touched = torch.zeros(rows, dtype=torch.int64)
-        # Shape: (R, C) candidate token ids (-1 = empty) and their scores (0 when empty).
-        self.ids = torch.full((rows, candidates), -1, dtype=torch.int64)
+        # Shape: (R, C) candidate token ids (-1 = empty; int32 halves the row gathers) and their scores (0 when
+        # empty).
+        self.ids = torch.full((rows, candidates), -1, dtype=torch.int32)
         self.score = torch.zeros((rows, candidates), dtype=torch.int64)
         self.dropped = 0
 
@@ -143,7 +144,7 @@ class CandidateTable:
         if pairs[0] < 0:
             pairs, pair_w = pairs[1:], pair_w[1:]
         # Pairs already held: compare with their row's C ids (a row holds an id at most once). Shape: (P, C).
-        slot, token = pairs // V, pairs % V
+        slot, token = pairs // V, (pairs % V).to(torch.int32)
         pair, column = (self.ids[slot] == token[:, None]).nonzero().unbind(1)
         self.score.view(-1)[slot[pair] * C + column] += pair_w[pair]
         found = torch.zeros(pairs.numel(), dtype=torch.bool)
@@ -153,6 +154,14 @@ class CandidateTable:
         # New candidates compete with their row's held ones; each affected row keeps its C best. One stable
         # sort on (slot, score descending): ties keep the held candidate, then the smaller token id.
         new_slot, new_id, new_w = slot[~found], token[~found], pair_w[~found]
+        # A new candidate that does not beat the weakest of a full row cannot enter it: leave it out of the sort.
+        affected, inverse = torch.unique_consecutive(new_slot, return_inverse=True)
+        full = (self.ids[affected] >= 0).all(dim=1)
+        floor = torch.where(full, self.score[affected].min(dim=1).values, -1)
+        enters = new_w > floor[inverse]
+        if not enters.any():
+            return
+        new_slot, new_id, new_w = new_slot[enters], new_id[enters], new_w[enters]
         affected = torch.unique_consecutive(new_slot)
         old_ids, old_score = self.ids[affected], self.score[affected]
         occupied = old_ids >= 0
@@ -200,7 +209,7 @@ class CandidateTable:
         rows, candidates = tensors["ids"].shape
         table = cls(vocab_size, rows, candidates, half_life)
         table.row, table.touched = tensors["row"].clone(), tensors["touched"].clone()
-        table.ids, table.score = tensors["ids"].clone(), tensors["score"].clone()
+        table.ids, table.score = tensors["ids"].to(torch.int32), tensors["score"].clone()
         held = (table.row >= 0).nonzero().squeeze(1)
         table.slot[table.row[held]] = held.to(torch.int32)
         table.dropped = dropped

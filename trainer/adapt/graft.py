@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from itertools import chain, islice
 from pathlib import Path
 
+import numpy as np
 import torch
 from rich.console import Console
 from safetensors import SafetensorError, safe_open
@@ -126,11 +127,12 @@ class Evidence:
         return self.rows.numel()
 
 
-def _topk_block(blocks: list[list[list]], width: int, dtype: torch.dtype) -> torch.Tensor:
-    """Records' lists of equally wide rows as one (n, min(k, width)) tensor, flattened at C speed."""
+def _topk_block(blocks: list[list[list]], width: int, dtype: np.dtype) -> torch.Tensor:
+    """Records' lists of equally wide rows as one (n, min(k, width)) tensor; ``np.fromiter`` over the chained
+    rows is several times faster than ``torch.tensor`` on Python lists."""
     k = len(blocks[0][0])
-    flat = list(chain.from_iterable(chain.from_iterable(blocks)))
-    return torch.tensor(flat, dtype=dtype).view(-1, k)[:, :width]
+    flat = np.fromiter(chain.from_iterable(chain.from_iterable(blocks)), dtype=dtype)
+    return torch.from_numpy(flat).view(-1, k)[:, :width]
 
 
 def _pad(t: torch.Tensor, k: int, value: float) -> torch.Tensor:
@@ -154,11 +156,11 @@ def step_evidence(records: list[dict], servers: list[int], candidates: int) -> E
     k = min(candidates, max(by_k))
     cand_blocks, weight_blocks, order = [], [], []
     for members in by_k.values():
-        cand_blocks.append(_pad(_topk_block([ids[i] for i in members], k, torch.int64), k, -1))
-        lp = _topk_block([logprobs[i] for i in members], k, torch.float32)
+        cand_blocks.append(_pad(_topk_block([ids[i] for i in members], k, np.int64), k, -1))
+        lp = _topk_block([logprobs[i] for i in members], k, np.float32)
         weight_blocks.append(_pad(torch.round(lp.exp().clamp(max=1.0) * SCALE).long(), k, 0))
         order.extend(members)
-    node_rows = torch.tensor(rows)
+    node_rows = torch.from_numpy(np.array(rows, dtype=np.int64))
     node_servers = torch.repeat_interleave(torch.tensor(servers), torch.tensor(counts))
     if len(by_k) > 1:
         starts = torch.tensor([0, *counts]).cumsum(0).tolist()
@@ -175,7 +177,7 @@ def request_evidence(records: list[dict], servers: list[int], candidates: int, p
         prompt = record["prompt_ids"]
         topk = record.get("prefill_topk_ids")
         if topk:
-            cands = _topk_block([topk], candidates, torch.int64)
+            cands = _topk_block([topk], candidates, np.int64)
             weights = (unit >> torch.arange(cands.shape[1])).expand_as(cands)
             rows = torch.tensor(prompt)
         else:
