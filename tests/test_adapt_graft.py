@@ -529,3 +529,13 @@ def test_sigkill_then_restart_publishes_the_uninterrupted_matrix(tmp_path, targe
         proc.kill()
         proc.wait()
     check(pub)
+
+
+def test_cli_names_a_bad_log_directory(tmp_path, capsys):
+    from trainer.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["adapt", "graft", "--logs", str(tmp_path / "nowhere"), "--publish", str(tmp_path / "pub"), "--once"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "nowhere is not a directory" in err and "trainer adapt" in err
