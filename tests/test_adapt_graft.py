@@ -539,3 +539,33 @@ def test_cli_names_a_bad_log_directory(tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "nowhere is not a directory" in err and "trainer adapt" in err
+
+
+def test_tailing_daemon_reports_a_failed_publish_and_goes_on(tmp_path, target, monkeypatch, capsys):
+    logs, pub = tmp_path / "logs", tmp_path / "pub"
+    write_segment(logs, "r0", 0, [step(random.Random(0))])
+    real_publish, attempts = graft_module.publish, []
+
+    def flaky(*args, **kwargs):
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise PublishError("could not publish a snapshot into pub: No space left on device; nothing is current")
+        return real_publish(*args, **kwargs)
+
+    monkeypatch.setattr(graft_module, "publish", flaky)
+    daemon = graft_module.GraftDaemon(
+        logs, pub, pub / ".state", V, GraftConfig(), publish_seconds=0.0, poll_seconds=0.01
+    )
+    runner = threading.Thread(target=daemon.run, args=(False,))
+    runner.start()
+    _wait_for(pub / CURRENT)
+    write_segment(logs, "r1", 1, [step(random.Random(1))])  # a new segment while tailing
+    deadline = time.monotonic() + 30
+    while daemon.state.counters.records < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    daemon.stop.set()
+    runner.join()
+    out = capsys.readouterr().out
+    assert "publish failed:" in out and "No space left on device" in out
+    assert daemon.state.counters.records == 2
+    assert read_manifest(read_current(pub)[1])["tick"] == 2

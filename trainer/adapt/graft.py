@@ -33,13 +33,14 @@ when lines arrived; a restart still resumes exactly at the last commit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from itertools import chain, islice
 from pathlib import Path
@@ -48,7 +49,7 @@ import numpy as np
 import torch
 from rich.console import Console
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load, save, save_file
+from safetensors.torch import save, save_file
 
 from trainer.adapt.candidates import SCALE, CandidateTable
 from trainer.adapt.publish import (
@@ -330,13 +331,13 @@ class GraftState:
     @classmethod
     def from_file(cls, path: Path, vocab_size: int, config: GraftConfig) -> GraftState:
         try:
-            data = path.read_bytes()
-            tensors = load(data)
             with safe_open(path, "pt") as f:
                 meta = json.loads(f.metadata()["state"])
-        except (OSError, SafetensorError, KeyError, json.JSONDecodeError) as e:
+                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
+            built = GraftConfig(**meta["config"])
+        except (OSError, SafetensorError, KeyError, TypeError, json.JSONDecodeError) as e:
             raise UserError(f"cannot read the daemon state {path}: {e}; move it away to start from scratch") from e
-        if meta["vocab_size"] != vocab_size or GraftConfig(**meta["config"]) != config:
+        if meta["vocab_size"] != vocab_size or built != config:
             raise UserError(
                 f"the daemon state {path} was built for vocab_size {meta['vocab_size']} with {meta['config']}, "
                 f"not vocab_size {vocab_size} with {asdict(config)}; use another --state directory to change them"
@@ -354,6 +355,10 @@ class GraftState:
         state.quarantine_bytes = meta["quarantine_bytes"]
         state.state_id = meta["state_id"]
         return state
+
+
+class StateError(UserError):
+    """The state directory cannot be written; the message says which file and why."""
 
 
 class GraftDaemon:
@@ -403,14 +408,20 @@ class GraftDaemon:
                 f.truncate(self.state.quarantine_bytes)
 
     def _quarantine(self, errors: list[RecordError]) -> None:
+        """Append rejected lines durably before the batch is applied (a restart cuts back what was not
+        committed, so a failure here loses nothing)."""
         lines = "".join(
             json.dumps({"file": f"{e.file}.jsonl", "offset": e.offset, "reason": e.reason}) + "\n" for e in errors
         )
-        with open(self.state_dir / QUARANTINE, "ab") as f:
-            f.write(lines.encode())
-            f.flush()
-            os.fsync(f.fileno())
-            self.state.quarantine_bytes = f.tell()
+        path = self.state_dir / QUARANTINE
+        try:
+            with open(path, "ab") as f:
+                f.write(lines.encode())
+                f.flush()
+                os.fsync(f.fileno())
+                self.state.quarantine_bytes = f.tell()
+        except OSError as e:
+            raise StateError(f"cannot append to {path}: {e.strerror}; restart once it is writable") from e
         self.state.counters.quarantined += len(errors)
 
     def step(self, items: list) -> int:
@@ -424,8 +435,15 @@ class GraftDaemon:
         return touched
 
     def commit(self) -> None:
-        write_atomic(self.state_dir / STATE_FILE, self.state.to_bytes())
-        self._write_metrics()
+        """Replace the state file (offsets, tables, counters together); metrics follow."""
+        try:
+            write_atomic(self.state_dir / STATE_FILE, self.state.to_bytes())
+            self._write_metrics()
+        except OSError as e:
+            raise StateError(
+                f"cannot write the daemon state into {self.state_dir}: {e.strerror}; the previous "
+                "commit stands, and a restart resumes from it"
+            ) from e
 
     def _published_tick(self) -> int | None:
         current = read_current(self.publish_dir)
@@ -457,7 +475,9 @@ class GraftDaemon:
             "metrics": self.metrics(),
         }
         self.version = publish(self.publish_dir, payload, manifest, keep=self.keep)
-        self._write_metrics()
+        self._report("published")
+        with contextlib.suppress(OSError):  # the next commit writes the metrics again
+            self._write_metrics()
         return self.version
 
     def metrics(self) -> dict:
@@ -502,18 +522,18 @@ class GraftDaemon:
             del self.reader.offsets[stem]
         self.state.offsets = dict(self.reader.offsets)
 
-    def _try_publish(self) -> bool:
+    def _attempt(self, action: Callable[[], object], what: str) -> bool:
+        """While tailing, a failed commit or publish is reported and retried later; the daemon goes on."""
         try:
-            self.publish()
-        except PublishError as e:
-            self.console.print(f"[bold red]publish failed:[/] {e}", soft_wrap=True)
+            action()
+        except (StateError, PublishError) as e:
+            self.console.print(f"[bold red]{what} failed:[/] {e}", soft_wrap=True)
             return False
-        self._report("published")
         return True
 
     def run(self, once: bool) -> int:
-        """Process until drained (``once``) or stopped; commit, publish, return 0. A failed publish while
-        tailing is reported and retried at the next interval; at the end it raises ``PublishError``."""
+        """Process until drained (``once``) or stopped; commit, publish, return 0. While tailing, a failed
+        commit or publish is reported and retried; the last ones raise ``StateError`` / ``PublishError``."""
         try:
             needs_publish = self._published_tick() != self.state.tick
         except PublishError:
@@ -530,10 +550,15 @@ class GraftDaemon:
             if not batch:
                 self._prune_offsets()
             if dirty and (not batch or now - last_commit >= self.commit_seconds):
-                self.commit()
-                dirty, last_commit = False, now
+                # A --once run stops at the first failure, with its reason; a tailing one retries later.
+                if once:
+                    self.commit()
+                    dirty = False
+                else:
+                    dirty = not self._attempt(self.commit, "commit")
+                last_commit = now
             if not once and not dirty and needs_publish and now - last_publish >= self.publish_seconds:
-                needs_publish = not self._try_publish()
+                needs_publish = not self._attempt(self.publish, "publish")
                 last_publish = now
             if not batch:
                 self.stop.wait(self.poll_seconds)
@@ -541,7 +566,6 @@ class GraftDaemon:
             self.commit()
         if needs_publish:
             self.publish()
-            self._report("published")
         return 0
 
 
