@@ -40,7 +40,8 @@ def _adjacency_payload(adjacency: torch.Tensor, deltas: dict[str, torch.Tensor] 
     def write(directory):
         save_file({"adjacency": adjacency.contiguous()}, directory / ADJACENCY)
         for name, delta in (deltas or {}).items():
-            save_file({"adjacency": delta.contiguous()}, directory / tenant_filename(name))
+            rows = (delta >= 0).any(dim=1).nonzero().squeeze(1)
+            save_file({"rows": rows, "adjacency": delta[rows].contiguous()}, directory / tenant_filename(name))
 
     return write
 
@@ -133,6 +134,17 @@ def test_tenant_overlay_and_file_names(tmp_path):
     names = [tenant_filename(t) for t in ("a/b", "a_b", "a%2Fb", "A", "a", ".", "..", "x" * 500, "x" * 501)]
     assert len(set(names)) == len(names)
     assert all("/" not in n and len(n) < 200 and not n.startswith(".") for n in names)
+
+
+def test_a_delta_outside_the_vocabulary_is_refused(tmp_path):
+    def payload(directory):
+        save_file({"adjacency": torch.zeros(4, 2, dtype=torch.int32)}, directory / ADJACENCY)
+        delta = {"rows": torch.tensor([4]), "adjacency": torch.ones(1, 2, dtype=torch.int32)}
+        save_file(delta, directory / tenant_filename("t"))
+
+    publish(tmp_path, payload, {})
+    with pytest.raises(PublishError, match=r"1 rows and a \(1, 2\) adjacency do not fit the shared \(4, 2\)"):
+        load_adjacency(read_current(tmp_path)[1], "t")
 
 
 def test_read_current_rejects_a_bad_pointer(tmp_path):

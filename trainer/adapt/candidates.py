@@ -179,13 +179,12 @@ class CandidateTable:
         self.ids[all_slot[kept], rank[kept]] = all_id[kept]
         self.score[all_slot[kept], rank[kept]] = all_score[kept]
 
-    def adjacency(self, width: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        """(V, width) best successors per token, score descending (ties: smaller id), -1 = empty."""
-        out = torch.full((self.vocab_size, width), -1, dtype=dtype)
+    def best(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, successors)``: the held rows with a live candidate, ascending, and their ``width`` best
+        successors (R, width), score descending (ties: smaller id), -1 = empty."""
         held = (self.row >= 0).nonzero().squeeze(1)
-        if held.numel() == 0:
-            return out
-        ids, score = self.ids[held], self.score[held]
+        held = held[torch.sort(self.row[held]).indices]
+        ids, score = self.ids[held].long(), self.score[held]
         # Empty and fully decayed candidates sort last; within a row: score descending, then id ascending.
         score = torch.where((ids >= 0) & (score > 0), score, torch.full_like(score, -1))
         by_id = torch.sort(torch.where(score >= 0, ids, torch.full_like(ids, self.vocab_size)), dim=1, stable=True)
@@ -195,7 +194,14 @@ class CandidateTable:
         best = torch.where(by_score.values[:, :width] > 0, best, torch.full_like(best, -1))
         if best.shape[1] < width:
             best = torch.cat([best, best.new_full((best.shape[0], width - best.shape[1]), -1)], dim=1)
-        out[self.row[held]] = best.to(dtype)
+        live = best[:, 0] >= 0
+        return self.row[held][live], best[live]
+
+    def adjacency(self, width: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """(V, width) best successors per token (see ``best``), -1 = empty."""
+        out = torch.full((self.vocab_size, width), -1, dtype=dtype)
+        rows, best = self.best(width)
+        out[rows] = best.to(dtype)
         return out
 
     def state(self) -> dict[str, torch.Tensor]:

@@ -55,6 +55,7 @@ from trainer.adapt.candidates import SCALE, CandidateTable
 from trainer.adapt.publish import (
     ADJACENCY,
     ADJACENCY_TENSOR,
+    DELTA_ROWS,
     PublishError,
     publish,
     read_current,
@@ -461,7 +462,9 @@ class GraftDaemon:
         def payload(directory: Path) -> None:
             save_file({ADJACENCY_TENSOR: state.shared.adjacency(width)}, directory / ADJACENCY)
             for name, tenant in state.tenants.items():
-                save_file({ADJACENCY_TENSOR: tenant.table.adjacency(width)}, directory / tenant_filename(name))
+                rows, best = tenant.table.best(width)
+                delta = {DELTA_ROWS: rows, ADJACENCY_TENSOR: best.to(torch.int32)}
+                save_file(delta, directory / tenant_filename(name))
 
         manifest = {
             "kind": "graft",

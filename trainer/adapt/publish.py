@@ -5,7 +5,7 @@ Layout of a publish directory ``PUB``::
     PUB/current                 one line: the name of the newest complete version directory
     PUB/v000007/manifest.json   version, parent, what it was built from, metrics
     PUB/v000007/adjacency.safetensors        (graft) tensor ``adjacency`` (V, k) token ids, -1 = empty
-    PUB/v000007/tenant-NAME.safetensors      (graft) a tenant's delta, same tensor name and shape
+    PUB/v000007/tenant-NAME.safetensors      (graft) a tenant's delta: ``rows`` (R,) and ``adjacency`` (R, k)
 
 A version is written into a hidden temporary directory, every file and the directory fsynced, then renamed to
 ``vNNNNNN``; only then is ``current`` replaced (``os.replace`` of a fsynced temporary file). A kill at any
@@ -41,6 +41,7 @@ CURRENT = "current"
 MANIFEST = "manifest.json"
 ADJACENCY = "adjacency.safetensors"
 ADJACENCY_TENSOR = "adjacency"
+DELTA_ROWS = "rows"
 _VERSION_DIR = re.compile(r"v(\d{6,})")
 # Characters a tenant name keeps in its file name; everything else is percent-encoded (injective: '%' itself
 # is encoded), and a name whose encoding is long becomes a hash so that no file name exceeds the OS limit.
@@ -187,32 +188,40 @@ def read_manifest(version_dir: Path) -> dict:
         raise PublishError(f"cannot read the snapshot manifest {path}: {e}") from e
 
 
-def _load_tensor(path: Path) -> torch.Tensor:
+def _load_int_tensors(path: Path, names: dict[str, int]) -> list[torch.Tensor]:
+    """Integer tensors ``name`` of ``dim`` dimensions from a safetensors file, as int64."""
     try:
         tensors = load_file(path)
     except (OSError, SafetensorError) as e:
         raise PublishError(f"cannot load {path}: {e}") from e
-    tensor = tensors.get(ADJACENCY_TENSOR)
-    if tensor is None or tensor.dim() != 2 or tensor.dtype not in (torch.int32, torch.int64):
-        raise PublishError(f"{path} holds no integer 2-D tensor {ADJACENCY_TENSOR!r} (V, k)")
-    return tensor.long()
+    out = []
+    for name, dim in names.items():
+        tensor = tensors.get(name)
+        if tensor is None or tensor.dim() != dim or tensor.dtype not in (torch.int32, torch.int64):
+            raise PublishError(f"{path} holds no integer {dim}-D tensor {name!r}")
+        out.append(tensor.long())
+    return out
 
 
 def load_adjacency(version_dir: Path, tenant: str | None = None) -> torch.Tensor:
-    """The published adjacency (V, k) int64 token ids, -1 = empty; with ``tenant``, the rows that tenant's
-    delta fills replace the shared ones (a tenant without a delta gets the shared matrix)."""
+    """The published adjacency (V, k) int64 token ids, -1 = empty; with ``tenant``, the rows of that tenant's
+    delta replace the shared ones (a tenant without a delta gets the shared matrix).
+
+    A delta holds only the rows it overrides: ``rows`` (R,) token ids and ``adjacency`` (R, k).
+    """
     version_dir = Path(version_dir)
-    adjacency = _load_tensor(version_dir / ADJACENCY)
+    (adjacency,) = _load_int_tensors(version_dir / ADJACENCY, {ADJACENCY_TENSOR: 2})
     if tenant is None:
         return adjacency
     delta_path = version_dir / tenant_filename(tenant)
     if not delta_path.is_file():
         return adjacency
-    delta = _load_tensor(delta_path)
-    if delta.shape != adjacency.shape:
+    rows, delta = _load_int_tensors(delta_path, {DELTA_ROWS: 1, ADJACENCY_TENSOR: 2})
+    vocab, width = adjacency.shape
+    if delta.shape != (rows.numel(), width) or (rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < vocab):
         raise PublishError(
-            f"{delta_path} has shape {tuple(delta.shape)}, the shared adjacency {tuple(adjacency.shape)}"
+            f"{delta_path}: {rows.numel()} rows and a {tuple(delta.shape)} adjacency do not fit the shared "
+            f"({vocab}, {width}) matrix"
         )
-    filled = (delta >= 0).any(dim=1)
-    adjacency[filled] = delta[filled]
+    adjacency[rows] = delta
     return adjacency
