@@ -152,32 +152,43 @@ class CandidateTable:
         if found.all():
             return
         # New candidates compete with their row's held ones; each affected row keeps its C best. One stable
-        # sort on (slot, score descending): ties keep the held candidate, then the smaller token id.
-        new_slot, new_id, new_w = slot[~found], token[~found], pair_w[~found]
+        # sort on (row, score descending): ties keep the held candidate, then the smaller token id.
+        new_id, new_w = token[~found], pair_w[~found]
+        affected, new_row = torch.unique_consecutive(slot[~found], return_inverse=True)
+        old_ids, old_score = self.ids[affected], self.score[affected]  # Shape: (A, C)
+        occupied = old_ids >= 0
         # A new candidate that does not beat the weakest of a full row cannot enter it: leave it out of the sort.
-        affected, inverse = torch.unique_consecutive(new_slot, return_inverse=True)
-        full = (self.ids[affected] >= 0).all(dim=1)
-        floor = torch.where(full, self.score[affected].min(dim=1).values, -1)
-        enters = new_w > floor[inverse]
+        floor = torch.where(occupied.all(dim=1), old_score.min(dim=1).values, -1)
+        enters = new_w > floor[new_row]
         if not enters.any():
             return
-        new_slot, new_id, new_w = new_slot[enters], new_id[enters], new_w[enters]
-        affected = torch.unique_consecutive(new_slot)
-        old_ids, old_score = self.ids[affected], self.score[affected]
-        occupied = old_ids >= 0
-        all_slot = torch.cat([affected[:, None].expand_as(old_ids)[occupied], new_slot])
+        # Only rows that some new candidate enters are rebuilt; ``local`` renumbers them 0..A-1.
+        new_row, new_id, new_w = new_row[enters], new_id[enters], new_w[enters]
+        rebuilt = torch.unique_consecutive(new_row)
+        A = rebuilt.numel()
+        local = torch.empty(affected.numel(), dtype=torch.int64)
+        local[rebuilt] = torch.arange(A)
+        affected, old_ids, old_score, occupied = (
+            affected[rebuilt],
+            old_ids[rebuilt],
+            old_score[rebuilt],
+            occupied[rebuilt],
+        )
+        all_row = torch.cat([torch.arange(A)[:, None].expand_as(old_ids)[occupied], local[new_row]])
         all_id = torch.cat([old_ids[occupied], new_id])
         all_score = torch.cat([old_score[occupied], new_w])
-        key = (all_slot << _SCORE_BITS) | (_SCORE_MASK - all_score.clamp(max=_SCORE_MASK))
+        key = (all_row << _SCORE_BITS) | (_SCORE_MASK - all_score.clamp(max=_SCORE_MASK))
         order = torch.sort(key, stable=True).indices
-        all_slot, all_id, all_score = all_slot[order], all_id[order], all_score[order]
-        counts = torch.unique_consecutive(all_slot, return_counts=True)[1]
-        rank = torch.arange(all_slot.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        all_row, all_id, all_score = all_row[order], all_id[order], all_score[order]
+        counts = torch.bincount(all_row, minlength=A)
+        rank = torch.arange(all_row.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
         kept = rank < C
-        self.ids[affected] = -1
-        self.score[affected] = 0
-        self.ids[all_slot[kept], rank[kept]] = all_id[kept]
-        self.score[all_slot[kept], rank[kept]] = all_score[kept]
+        ids = torch.full_like(old_ids, -1)
+        score = torch.zeros_like(old_score)
+        ids[all_row[kept], rank[kept]] = all_id[kept]
+        score[all_row[kept], rank[kept]] = all_score[kept]
+        self.ids[affected] = ids
+        self.score[affected] = score
 
     def best(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, successors)``: the held rows with a live candidate, ascending, and their ``width`` best
