@@ -84,7 +84,7 @@ class GraftConfig:
     tenant_rows: int = 4096
     max_tenants: int = 64
     half_life: float = 200_000.0
-    batch_records: int = 256
+    batch_records: int = 1024
     replica_row_cap: float = 8.0
     prompt_weight: float = 0.5
 
