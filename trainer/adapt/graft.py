@@ -27,8 +27,9 @@ fsynced, then the state file replaced; a snapshot is published only from committ
 the quarantine file to the committed length and resumes at the committed offsets, so after SIGKILL nothing is
 counted twice and, batches being fixed runs of lines and the tables order-independent inside a batch, a
 ``--once`` run on a fixed log publishes bit-for-bit the matrix an uninterrupted run publishes. While tailing,
-an idle log flushes a short batch, so batch boundaries (and, when a table is full, eviction choices) depend on
-when lines arrived; a restart still resumes exactly at the last commit.
+an idle log flushes a short batch, so batch boundaries (and with them the per-batch replica cap and, when a
+table is full, eviction choices) depend on when lines arrived; a restart still resumes exactly at the last
+commit. Decay is counted in lines, not batches, so it does not depend on boundaries.
 """
 
 from __future__ import annotations
@@ -187,12 +188,17 @@ def request_evidence(records: list[dict], servers: list[int], candidates: int, p
             rows, cands = sequence[:-1], sequence[1:, None]
             weights = torch.full_like(cands, unit)
         parts.append(Evidence(rows, cands, weights, torch.full_like(rows, server)))
-    k = max((p.cands.shape[1] for p in parts), default=1)
+    return concat(parts)
+
+
+def concat(parts: list[Evidence]) -> Evidence:
+    """One ``Evidence`` of all ``parts``, candidates padded to the widest."""
+    k = max(p.cands.shape[1] for p in parts)
     return Evidence(
-        torch.cat([p.rows for p in parts]) if parts else torch.zeros(0, dtype=torch.int64),
-        torch.cat([_pad(p.cands, k, -1) for p in parts]) if parts else torch.zeros(0, k, dtype=torch.int64),
-        torch.cat([_pad(p.weights, k, 0) for p in parts]) if parts else torch.zeros(0, k, dtype=torch.int64),
-        torch.cat([p.server for p in parts]) if parts else torch.zeros(0, dtype=torch.int64),
+        torch.cat([p.rows for p in parts]),
+        torch.cat([_pad(p.cands, k, -1) for p in parts]),
+        torch.cat([_pad(p.weights, k, 0) for p in parts]),
+        torch.cat([p.server for p in parts]),
     )
 
 
@@ -299,13 +305,7 @@ class GraftState:
         if requests:
             servers = [server_ids[r["server"]] for r in requests]
             parts.append(request_evidence(requests, servers, self.config.candidates, self.config.prompt_weight))
-        k = max(p.cands.shape[1] for p in parts)
-        evidence = Evidence(
-            torch.cat([p.rows for p in parts]),
-            torch.cat([_pad(p.cands, k, -1) for p in parts]),
-            torch.cat([_pad(p.weights, k, 0) for p in parts]),
-            torch.cat([p.server for p in parts]),
-        )
+        evidence = concat(parts)
         weights = cap_per_replica(evidence, self.vocab_size, round(self.config.replica_row_cap * SCALE))
         return table.add(evidence.rows, evidence.cands, weights, self.tick)
 
