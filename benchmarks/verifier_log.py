@@ -2,12 +2,15 @@
 
 1. Overhead: the shipped tiny target and DFlash drafter decode the same held-out prompts greedily with the
    DDTree builder, without and with the logging hook (``StepRecorder`` on a ``LogWriter``), alternating which
-   goes first; greedy decoding takes the same steps both ways, so milliseconds per step compare directly. The
-   hook's time on the decoding thread (the engine's ``log`` phase) is reported beside the difference of whole
-   steps, which also holds what the writer thread costs the decoding thread (GIL, CPU).
-2. Writer: step records of ``budget`` draft nodes (k = 8) written until ``close`` returns: records/s, MB/s.
+   goes first; greedy decoding takes the same steps both ways, so milliseconds per step compare directly.
+   Reported side by side: the hook's time on the decoding thread (the engine's ``log`` phase), the paired
+   difference of whole steps in wall time (which also holds what the writer thread costs the decoding thread:
+   GIL, CPU), and the paired difference in process CPU time with the writer thread's work included (the cost
+   when no core is spare).
+2. Writer: step records of ``budget`` draft nodes (k = 8) written until ``close`` returns: records/s (wall
+   and per CPU-second), MB/s.
 3. Reader: ``LogReader`` with the validator over those segments: verified tree nodes (N + 1 rows per step
-   record) per second, for the tiny vocabulary and for a 152k one.
+   record) per second and per CPU-second, for the tiny vocabulary and for a 152k one.
 
 Ratios, not absolute times, are the result (the machine is shared). On CPU::
 
@@ -48,34 +51,48 @@ def load(args: argparse.Namespace) -> tuple:
 def overhead(args: argparse.Namespace, models: tuple, budget: int, log_dir: Path) -> dict:
     target, drafter, prompts = models
     builder = BUILDERS["ddtree"]
-    plain_ms, logged_ms, hook_ms = [], [], []
+    plain_ms, logged_ms, hook_ms, plain_cpu, logged_cpu = [], [], [], [], []
     with LogWriter(log_dir, f"bench{budget}", vocab_size=target.config.vocab_size) as writer:
 
-        def run(prompt: torch.Tensor, name: str | None):
+        def run(prompt: torch.Tensor, name: str | None) -> tuple:
             recorder = None
             if name is not None:
                 recorder = StepRecorder(writer, server="bench", request=name, tenant=None, shareable=True,
                                         drafter=args.drafter, drafter_version=None)  # fmt: skip
             session = make_session("ddtree", target, drafter)
+            cpu = time.process_time()
             g = generate(target, session, builder, prompt, args.max_new_tokens, budget, on_step=recorder)
             if recorder is not None:
                 recorder.finish(prompt.tolist(), g.tokens)
-            return g
+                # The writer thread's work counts in the CPU time (all threads of the process).
+                writer.flush()
+            return g, time.process_time() - cpu
 
         run(prompts[0], None)  # warm-up
         for rep in range(args.repeats):
             for i, prompt in enumerate(prompts):
                 order = [None, f"{rep}/{i}"] if (rep + i) % 2 == 0 else [f"{rep}/{i}", None]
                 results = {name is None: run(prompt, name) for name in order}
-                plain, logged = results[True], results[False]
+                (plain, plain_s), (logged, logged_s) = results[True], results[False]
                 assert plain.tokens == logged.tokens, "logging changed the output"
-                plain_ms.append(1000 * plain.decode_seconds / len(plain.steps))
-                logged_ms.append(1000 * logged.decode_seconds / len(logged.steps))
-                hook_ms.append(1000 * sum(s.seconds.get("log", 0.0) for s in logged.steps) / len(logged.steps))
-    plain, logged, hook = (statistics.median(x) for x in (plain_ms, logged_ms, hook_ms))
+                steps = len(logged.steps)
+                plain_ms.append(1000 * plain.decode_seconds / steps)
+                logged_ms.append(1000 * logged.decode_seconds / steps)
+                hook_ms.append(1000 * sum(s.seconds.get("log", 0.0) for s in logged.steps) / steps)
+                plain_cpu.append(plain_s)
+                logged_cpu.append(logged_s)
     # Per pair, so that machine load common to both runs cancels.
-    diff = statistics.median((b - a) / a for a, b in zip(plain_ms, logged_ms, strict=True))
-    return {"plain": plain, "logged": logged, "hook": hook, "share": diff, "hook_share": hook / plain}
+    paired = lambda a, b: statistics.median((y - x) / x for x, y in zip(a, b, strict=True))  # noqa: E731
+    plain = statistics.median(plain_ms)
+    hook = statistics.median(hook_ms)
+    return {
+        "plain": plain,
+        "logged": statistics.median(logged_ms),
+        "hook": hook,
+        "hook_share": hook / plain,
+        "wall_share": paired(plain_ms, logged_ms),
+        "cpu_share": paired(plain_cpu, logged_cpu),
+    }
 
 
 def synthetic_records(n: int, nodes: int, vocab: int, seed: int) -> list[dict]:
@@ -98,22 +115,29 @@ def synthetic_records(n: int, nodes: int, vocab: int, seed: int) -> list[dict]:
 
 
 def throughput(records: list[dict], vocab: int, directory: Path) -> dict:
-    start = time.perf_counter()
+    """Wall and CPU (all threads) rates of writing ``records`` and of reading them back validated."""
+    wall, cpu = time.perf_counter(), time.process_time()
     with LogWriter(directory, "tp", max_bytes=16 << 20, vocab_size=vocab) as writer:
         for r in records:
             writer.write(r)
-    write_s = time.perf_counter() - start
+    write_wall, write_cpu = time.perf_counter() - wall, time.process_time() - cpu
     size = sum(f.stat().st_size for f in directory.glob("*.jsonl"))
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     rows = bad = 0
     for *_, record in LogReader(directory, vocab_size=vocab):
         if isinstance(record, dict):
             rows += len(record["topk_ids"])
         else:
             bad += 1
-    read_s = time.perf_counter() - start
+    read_wall, read_cpu = time.perf_counter() - wall, time.process_time() - cpu
     assert bad == 0
-    return {"records_s": len(records) / write_s, "mb_s": size / write_s / 1e6, "nodes_s": rows / read_s}
+    return {
+        "records_s": len(records) / write_wall,
+        "records_cpu_s": len(records) / write_cpu,
+        "mb_s": size / write_wall / 1e6,
+        "nodes_s": rows / read_wall,
+        "nodes_cpu_s": rows / read_cpu,
+    }
 
 
 def main() -> None:
@@ -131,23 +155,26 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
 
     with tempfile.TemporaryDirectory() as tmp:
-        print("logging overhead per decoding step (greedy, ddtree, tiny target; medians)")
-        print("| budget | plain ms/step | logged ms/step | hook ms/step | hook / step | (logged - plain) / plain |")
-        print("|---|---|---|---|---|---|")
+        print("logging overhead per decoding step (greedy, ddtree, tiny target; medians over prompts x repeats)")
+        print("| budget | plain ms/step | logged ms/step | wall: (logged - plain) / plain | hook ms/step "
+              "| hook / step | CPU, writer thread included: (logged - plain) / plain |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
         models = load(args)
         for budget in budgets:
             r = overhead(args, models, budget, Path(tmp) / "overhead")
-            print(f"| {budget} | {r['plain']:.2f} | {r['logged']:.2f} | {r['hook']:.3f} | {r['hook_share']:.1%} "
-                  f"| {r['share']:+.1%} |")  # fmt: skip
+            print(f"| {budget} | {r['plain']:.2f} | {r['logged']:.2f} | {r['wall_share']:+.1%} | {r['hook']:.3f} "
+                  f"| {r['hook_share']:.1%} | {r['cpu_share']:+.1%} |")  # fmt: skip
 
-        print("\nwriter and reader + validator throughput (synthetic step records, k = 8)")
-        print("| vocab | draft nodes | writer records/s | writer MB/s | reader nodes/s |")
-        print("|---|---|---|---|---|")
+        print("\nwriter and reader + validator throughput (synthetic step records, k = 8; CPU = per CPU-second)")
+        print("| vocab | draft nodes | writer records/s | writer records/CPU-s | writer MB/s | reader nodes/s "
+              "| reader nodes/CPU-s |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
         for vocab in (8192, 151936):
             for budget in budgets:
                 records = synthetic_records(args.records, budget, vocab, seed=budget)
                 r = throughput(records, vocab, Path(tmp) / f"tp-{vocab}-{budget}")
-                print(f"| {vocab} | {budget} | {r['records_s']:,.0f} | {r['mb_s']:.1f} | {r['nodes_s']:,.0f} |")
+                print(f"| {vocab} | {budget} | {r['records_s']:,.0f} | {r['records_cpu_s']:,.0f} | {r['mb_s']:.1f} "
+                      f"| {r['nodes_s']:,.0f} | {r['nodes_cpu_s']:,.0f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

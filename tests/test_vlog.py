@@ -264,6 +264,40 @@ def test_empty_and_foreign_files_yield_nothing(tmp_path):
     assert reader.offsets == {}
 
 
+@pytest.mark.parametrize("max_deferred", [0, 2, 8])
+def test_recorder_logs_the_targets_topk_whether_reduced_here_or_on_the_writer_thread(tmp_path, max_deferred):
+    import torch
+
+    from trainer.spec.engine import StepEvent
+    from trainer.spec.tree import Tree
+    from trainer.vlog.recorder import StepRecorder
+
+    torch.manual_seed(0)
+    tree = Tree.from_lists([5, 10, 11, 12, 13], [-1, 0, 0, 1, 3])
+    events = [
+        StepEvent(i, 20 + i, 5, tree, [0, 1, 3], 7, torch.randn(5, V), {"draft": 1.0, "tree": 0.1, "verify": 2.0},
+                  6, "ddtree")
+        for i in range(12)
+    ]  # fmt: skip
+    # max_deferred = 0 reduces every step on the decoding thread; 2 mixes both paths.
+    with LogWriter(tmp_path, "w", vocab_size=V, max_deferred=max_deferred) as writer:
+        recorder = StepRecorder(writer, server="s", request="r", tenant="t", shareable=False, drafter=None,
+                                drafter_version=3, k=9)  # fmt: skip
+        for event in events:
+            recorder(event)
+        recorder.finish([1, 2], [5, 10, 12, 7])
+    records = [r for *_, r in LogReader(tmp_path, vocab_size=V)]
+    assert [r["kind"] for r in records] == ["step"] * 12 + ["request"]
+    for event, r in zip(events, records, strict=False):
+        expected = event.logits.log_softmax(-1).topk(9, dim=-1)
+        assert r["topk_ids"] == expected.indices.tolist()
+        assert torch.allclose(torch.tensor(r["topk_logprobs"]), expected.values, atol=1e-4)
+        assert (r["step"], r["pos"], r["root"], r["bonus"]) == (event.step, event.pos, 5, 7)
+        # Engine nodes 1..4 are draft nodes 0..3; the path 0 -> 1 -> 3 is draft nodes 0 -> 2.
+        assert (r["tokens"], r["parents"], r["accepted"]) == ([10, 11, 12, 13], [-1, -1, 0, 2], [0, 2])
+        assert (r["tenant"], r["shareable"], r["drafter_version"], r["budget"]) == ("t", False, 3, 6)
+
+
 # ---- trainer eval --logs --------------------------------------------------------------------------------------
 def test_eval_logs_reproduce_every_speculative_run(tmp_path):
     import torch
