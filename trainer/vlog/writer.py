@@ -1,9 +1,11 @@
 """Append verifier log records to rotating segments from a background thread.
 
-``write`` only enqueues: validation, JSON encoding and file I/O happen on the writer thread, so the decoding
-loop pays for a queue put. A record may be given as a zero-argument callable returning the dict; it is called
-on the writer thread, which keeps tensor -> list conversion off the caller's path too. The queue is bounded:
-when the disk falls behind, ``write`` blocks rather than dropping records.
+``write`` only appends to a queue: validation, JSON encoding and file I/O happen on the writer thread, so the
+decoding loop pays for a deque append. The thread is not woken per record (a wake-up costs the caller a context
+switch); it drains the queue every ``interval`` seconds, so readers see a record within about that. A record
+may be given as a zero-argument callable returning the dict; it is called on the writer thread, which keeps
+tensor -> list conversion off the caller's path too. The queue is bounded: when the disk falls behind,
+``write`` waits for room rather than dropping records.
 
 A segment is ``{prefix}-{seq:06d}-{unix_ms}.jsonl.part`` while open and is finished (fsync, then an atomic
 rename to ``.jsonl``) when it reaches ``max_bytes``, when it has been open ``max_seconds``, and on ``close``.
@@ -22,9 +24,9 @@ from __future__ import annotations
 import atexit
 import fcntl
 import os
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,6 +49,7 @@ class LogWriter:
         queue_size: int = 4096,
         vocab_size: int | None = None,
         max_deferred: int = 8,
+        interval: float = 0.1,
     ) -> None:
         if not PREFIX.fullmatch(prefix):
             raise UserError(f"log prefix {prefix!r} must be letters, digits, '_', '.', '-' (not starting with '.')")
@@ -72,7 +75,12 @@ class LogWriter:
         self._stem = ""
         self._opened = 0.0
         self._size = 0
-        self._queue: queue.Queue = queue.Queue(queue_size)
+        self.queue_size = queue_size
+        self.interval = interval
+        # Records, flush markers (Event) and the closing None, in order; the writer thread pops from the left.
+        self._queue: deque = deque()
+        self._wake = threading.Event()
+        self._room = threading.Condition()
         # Slots for queued callables that hold large tensors (a step's logits): whoever takes one releases it
         # once its callable has run; without a slot, reduce the tensor before writing.
         self.deferred = threading.BoundedSemaphore(max_deferred)
@@ -90,7 +98,11 @@ class LogWriter:
         self._check()
         if self._closed:
             raise RuntimeError("write after close")
-        self._queue.put(record)
+        if len(self._queue) >= self.queue_size:
+            with self._room:
+                self._wake.set()
+                self._room.wait_for(lambda: len(self._queue) < self.queue_size)
+        self._queue.append(record)
 
     def flush(self) -> None:
         """Return once every record written so far is in the segment file (visible to readers)."""
@@ -98,7 +110,8 @@ class LogWriter:
             self._check()
             return
         done = threading.Event()
-        self._queue.put(done)
+        self._queue.append(done)
+        self._wake.set()
         done.wait()
         self._check()
 
@@ -107,7 +120,8 @@ class LogWriter:
         if not self._closed:
             self._closed = True
             atexit.unregister(self.close)
-            self._queue.put(None)
+            self._queue.append(None)
+            self._wake.set()
             self._thread.join()
             self._lock.close()
         self._check()
@@ -127,26 +141,27 @@ class LogWriter:
     # ---- writer thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            try:
-                item = self._queue.get(timeout=self._wait())
-            except queue.Empty:
-                self._guard(self._finish_if_old)
-                continue
-            if item is None:
-                self._guard(self._finish)
-                return
-            if isinstance(item, threading.Event):
-                self._guard(self._flush)
-                item.set()
-                continue
-            self._guard(self._append, item)
-            if self._queue.empty():
-                self._guard(self._flush)
+            self._wake.wait(self._timeout())
+            self._wake.clear()
+            while self._queue:
+                item = self._queue.popleft()
+                if item is None:
+                    self._guard(self._finish)
+                    return
+                if isinstance(item, threading.Event):
+                    self._guard(self._flush)
+                    item.set()
+                else:
+                    self._guard(self._append, item)
+            self._guard(self._flush)
+            self._guard(self._finish_if_old)
+            with self._room:
+                self._room.notify_all()
 
-    def _wait(self) -> float | None:
+    def _timeout(self) -> float:
         if self._file is None:
-            return None
-        return max(self._opened + self.max_seconds - time.monotonic(), 0.0) + 1e-3
+            return self.interval
+        return min(max(self._opened + self.max_seconds - time.monotonic(), 0.0), self.interval)
 
     def _guard(self, fn: Callable, *args: object) -> None:
         try:
