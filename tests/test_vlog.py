@@ -7,6 +7,7 @@ import math
 import os
 import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
 
@@ -164,6 +165,14 @@ def test_writer_refuses_an_invalid_record_and_goes_on(tmp_path):
     assert [r["request"] for *_, r in read_all(tmp_path)[0]] == ["good"]
 
 
+def test_a_full_queue_makes_write_wait_not_drop(tmp_path):
+    with LogWriter(tmp_path, "w", queue_size=4, interval=0.05) as writer:
+        for i in range(40):
+            writer.write(step(request=str(i)))
+            assert len(writer._queue) <= 4
+    assert [r["request"] for *_, r in read_all(tmp_path)[0]] == [str(i) for i in range(40)]
+
+
 def test_one_live_writer_per_prefix_and_a_dead_ones_part_is_finished(tmp_path):
     line = json.dumps(step()) + "\n"
     # A writer killed mid-record left a .part whose last line is torn.
@@ -262,6 +271,65 @@ def test_empty_and_foreign_files_yield_nothing(tmp_path):
     items, reader = read_all(tmp_path)
     assert items == []
     assert reader.offsets == {}
+
+
+def test_following_a_rotating_writer_reads_every_record_once(tmp_path):
+    import threading
+
+    n = 300
+
+    def produce():
+        with LogWriter(tmp_path, "live", max_bytes=3000, interval=0.001) as writer:
+            for i in range(n):
+                writer.write(step(request=str(i), n=i % 4))
+                if i % 50 == 0:
+                    time.sleep(0.01)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    stop = threading.Event()
+    seen = []
+    deadline = time.monotonic() + 60
+    for _, _, _, record in LogReader(tmp_path, vocab_size=V).follow(stop, interval=0.001):
+        seen.append(record["request"])
+        if len(seen) == n or time.monotonic() > deadline:
+            stop.set()
+    producer.join()
+    assert seen == [str(i) for i in range(n)]
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".jsonl")]) > 10
+
+
+def test_sigterm_handler_closing_the_writer_leaves_only_finished_segments(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    script = f"""
+import signal, sys
+from trainer.vlog.writer import LogWriter
+from trainer.vlog.schema import request_record
+writer = LogWriter({str(tmp_path)!r}, "srv", max_bytes=2000)
+def stop(*_):
+    writer.close()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+i = 0
+while True:
+    writer.write(request_record(server="s", request=str(i), tenant=None, shareable=True, prompt_ids=[1],
+                                output_ids=[2]))
+    if i == 200:
+        print("ready", flush=True)
+    i += 1
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".part")]
+    requests = [r["request"] for *_, r in LogReader(tmp_path)]
+    # Everything written before the signal, in order, nothing torn.
+    assert len(requests) > 200 and requests == [str(i) for i in range(len(requests))]
 
 
 @pytest.mark.parametrize("max_deferred", [0, 2, 8])

@@ -80,7 +80,6 @@ class LogWriter:
         # Records, flush markers (Event) and the closing None, in order; the writer thread pops from the left.
         self._queue: deque = deque()
         self._wake = threading.Event()
-        self._room = threading.Condition()
         # Slots for queued callables that hold large tensors (a step's logits): whoever takes one releases it
         # once its callable has run; without a slot, reduce the tensor before writing.
         self.deferred = threading.BoundedSemaphore(max_deferred)
@@ -98,10 +97,10 @@ class LogWriter:
         self._check()
         if self._closed:
             raise RuntimeError("write after close")
-        if len(self._queue) >= self.queue_size:
-            with self._room:
-                self._wake.set()
-                self._room.wait_for(lambda: len(self._queue) < self.queue_size)
+        # Full: poll for room rather than take a lock that a signal handler calling close() could deadlock on.
+        while len(self._queue) >= self.queue_size and self._thread.is_alive():
+            self._wake.set()
+            time.sleep(self.interval / 20)
         self._queue.append(record)
 
     def flush(self) -> None:
@@ -155,8 +154,6 @@ class LogWriter:
                     self._guard(self._append, item)
             self._guard(self._flush)
             self._guard(self._finish_if_old)
-            with self._room:
-                self._room.notify_all()
 
     def _timeout(self) -> float:
         if self._file is None:
