@@ -159,8 +159,11 @@ def test_writer_refuses_an_invalid_record_and_goes_on(tmp_path):
     writer = LogWriter(tmp_path, "w", vocab_size=V)
     writer.write(step(root=V))
     writer.write(step(request="good"))
-    with pytest.raises(RecordError, match="outside the vocabulary"):
+    writer.write(step(bonus=-1))
+    with pytest.raises(RecordError, match="outside the vocabulary") as error:
         writer.flush()
+    assert error.value.__notes__[0].startswith("2 failure(s) on the writer thread")
+    writer.flush()
     writer.close()
     assert [r["request"] for *_, r in read_all(tmp_path)[0]] == ["good"]
 

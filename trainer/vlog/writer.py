@@ -83,7 +83,8 @@ class LogWriter:
         # Slots for queued callables that hold large tensors (a step's logits): whoever takes one releases it
         # once its callable has run; without a slot, reduce the tensor before writing.
         self.deferred = threading.BoundedSemaphore(max_deferred)
-        self._error: BaseException | None = None
+        self._error: Exception | None = None
+        self._failed = 0
         self._closed = False
         self.records = 0
         self.segments: list[str] = []
@@ -132,9 +133,11 @@ class LogWriter:
         self.close()
 
     def _check(self) -> None:
-        # A failure on the thread surfaces once, on the caller's next call.
-        error, self._error = self._error, None
+        # Failures on the thread surface on the caller's next call: the first one, with the count of records lost.
+        error, failed = self._error, self._failed
         if error is not None:
+            self._error, self._failed = None, 0
+            error.add_note(f"{failed} failure(s) on the writer thread since the last call; failed records are lost")
             raise error
 
     # ---- writer thread ----------------------------------------------------------------------------------------
@@ -164,6 +167,7 @@ class LogWriter:
         try:
             fn(*args)
         except Exception as e:  # kept for the caller: the thread must outlive a bad record or a full disk
+            self._failed += 1
             if self._error is None:
                 self._error = e
 
