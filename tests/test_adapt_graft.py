@@ -575,8 +575,11 @@ def test_tailing_daemon_reports_a_failed_publish_and_goes_on(tmp_path, target, m
     deadline = time.monotonic() + 30
     while daemon.state.counters.records < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
+    with pytest.raises(UserError, match="another graft daemon uses the state directory"):
+        graft_module.GraftDaemon(logs, pub, pub / ".state", V, GraftConfig())
     daemon.stop.set()
     runner.join()
+    daemon.close()
     out = capsys.readouterr().out
     assert "publish failed:" in out and "No space left on device" in out
     assert daemon.state.counters.records == 2

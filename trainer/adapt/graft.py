@@ -35,6 +35,7 @@ commit. Decay is counted in lines, not batches, so it does not depend on boundar
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -389,6 +390,13 @@ class GraftDaemon:
             self.state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UserError(f"cannot create the state directory {self.state_dir}: {e.strerror}") from e
+        # One daemon per state directory: a second would commit over the first's offsets.
+        self._lock = open(self.state_dir / ".lock", "a")  # noqa: SIM115 (held for the daemon's life)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise UserError(f"another graft daemon uses the state directory {self.state_dir}") from None
         path = self.state_dir / STATE_FILE
         self.state = (
             GraftState.from_file(path, vocab_size, config) if path.exists() else GraftState.fresh(vocab_size, config)
@@ -400,6 +408,10 @@ class GraftDaemon:
         self._started = time.monotonic()
         self._lines_at_start = self.state.counters.lines
         self._nodes_at_start = self.state.counters.nodes
+
+    def close(self) -> None:
+        """Release the state directory."""
+        self._lock.close()
 
     def _truncate_quarantine(self) -> None:
         """Drop quarantine lines written after the last commit: the restart reads those log lines again."""
@@ -440,6 +452,7 @@ class GraftDaemon:
         try:
             write_atomic(self.state_dir / STATE_FILE, self.state.to_bytes())
             self._write_metrics()
+            self._report("committed")
         except OSError as e:
             raise StateError(
                 f"cannot write the daemon state into {self.state_dir}: {e.strerror}; the previous "
@@ -596,6 +609,10 @@ def run_graft(
         poll_seconds,
         keep,
     )
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: daemon.stop.set())
-    return daemon.run(once)
+    previous = {sig: signal.signal(sig, lambda *_: daemon.stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return daemon.run(once)
+    finally:
+        daemon.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
