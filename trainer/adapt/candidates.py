@@ -2,7 +2,7 @@
 
 Evidence is "after token ``row`` the target put ``cand`` in its top-k with probability ``p``". Each held row keeps
 at most ``candidates`` (C) successors with integer scores (fixed point, ``SCALE`` = probability 1). A batch of
-evidence is applied as one unit, at one tick (the batch index):
+evidence is applied as one unit, at one tick (the caller's clock; the daemon counts log lines):
 
 1. rows seen for the first time take a free slot; when ``rows`` (R) slots are all held, the least recently
    touched rows not in this batch are evicted (ties: smaller token id first); rows that still find no slot are
@@ -14,8 +14,8 @@ evidence is applied as one unit, at one tick (the batch index):
 
 The result of a batch depends on the batch's evidence as a multiset, not on its order: scores are integers
 (sums are exact in any order), every sort is stable on a deterministic key. So replaying the same batches
-gives bit-identical tables, which is what a restart after SIGKILL relies on. Memory is R·C·12 bytes + V·4,
-fixed at construction whatever the traffic.
+gives bit-identical tables, which is what a restart after SIGKILL relies on. Memory is R·(12·C + 16) bytes +
+V·4, fixed at construction whatever the traffic.
 
 Try it::
 
@@ -34,7 +34,7 @@ SCALE = 1 << 10
 _Q = 24
 # Scores saturate here so that score * factor never overflows int64.
 _MAX_SCORE = 1 << 32
-# A merge sorts on slot << _SCORE_BITS | inverted score in one int64: slots must fit in the remaining bits.
+# A merge sorts on row << _SCORE_BITS | inverted score in one int64: rows (< V) must fit in the other bits.
 _SCORE_BITS = 40
 _SCORE_MASK = (1 << _SCORE_BITS) - 1
 
@@ -53,8 +53,8 @@ class CandidateTable:
     def __init__(self, vocab_size: int, rows: int, candidates: int, half_life: float = 64.0) -> None:
         if not 0 < rows <= vocab_size < 1 << (63 - _SCORE_BITS) or candidates < 1 or half_life <= 0:
             raise ValueError(
-                f"need 0 < rows <= vocab_size, candidates >= 1, half_life > 0; got {rows}, "
-                f"{vocab_size}, {candidates}, {half_life}"
+                f"need 0 < rows <= vocab_size < 2**{63 - _SCORE_BITS}, candidates >= 1, half_life > 0; got "
+                f"{rows}, {vocab_size}, {candidates}, {half_life}"
             )
         self.vocab_size, self.half_life = vocab_size, float(half_life)
         # Shape: (V,) slot of a token's row, -1 = not held.
