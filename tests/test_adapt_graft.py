@@ -72,7 +72,7 @@ def test_publish_failure_keeps_previous_snapshot(tmp_path, monkeypatch):
     with pytest.raises(PublishError, match=r"No space left on device.*v000001 is still current"):
         publish(root, no_space, {})
     assert read_current(root)[0] == 1
-    assert not list(root.glob(".tmp-*")), "the failed version's temporary directory is removed"
+    assert not list(root.glob("*.partial")), "the failed version's temporary directory is removed"
     assert load_adjacency(read_current(root)[1]).eq(0).all()
 
 

@@ -63,9 +63,9 @@ from trainer.adapt.publish import (
     read_current,
     read_manifest,
     tenant_filename,
-    write_atomic,
 )
 from trainer.errors import UserError
+from trainer.io import atomic_path, write_text_atomic
 from trainer.paths import project_path
 from trainer.vlog.reader import LogReader
 from trainer.vlog.schema import RecordError
@@ -450,7 +450,8 @@ class GraftDaemon:
     def commit(self) -> None:
         """Replace the state file (offsets, tables, counters together); metrics follow."""
         try:
-            write_atomic(self.state_dir / STATE_FILE, self.state.to_bytes())
+            with atomic_path(self.state_dir / STATE_FILE) as tmp:
+                tmp.write_bytes(self.state.to_bytes())
             self._write_metrics()
             self._report("committed")
         except OSError as e:
@@ -510,7 +511,7 @@ class GraftDaemon:
         }
 
     def _write_metrics(self) -> None:
-        write_atomic(self.state_dir / METRICS, json.dumps(self.metrics(), indent=1).encode())
+        write_text_atomic(self.state_dir / METRICS, json.dumps(self.metrics(), indent=1))
 
     def _report(self, what: str) -> None:
         m = self.metrics()

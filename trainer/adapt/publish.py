@@ -7,8 +7,8 @@ Layout of a publish directory ``PUB``::
     PUB/v000007/adjacency.safetensors        (graft) tensor ``adjacency`` (V, k) token ids, -1 = empty
     PUB/v000007/tenant-NAME.safetensors      (graft) a tenant's delta: ``rows`` (R,) and ``adjacency`` (R, k)
 
-A version is written into a hidden temporary directory, every file and the directory fsynced, then renamed to
-``vNNNNNN``; only then is ``current`` replaced (``os.replace`` of a fsynced temporary file). A kill at any
+A version is written into a temporary directory ``vNNNNNN.partial``, its files fsynced, then renamed to
+``vNNNNNN`` (``trainer.io.write_dir_atomic``); only then is ``current`` replaced (``write_text_atomic``). A kill at any
 moment leaves ``current`` naming a whole version; a failed publish (no space, no permission) removes its
 temporary directory, leaves ``current`` as it was and raises :class:`PublishError` saying why. The newest
 ``keep`` versions stay on disk so that a reader holding an older path can finish loading it.
@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
@@ -36,6 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from trainer.errors import UserError
+from trainer.io import write_dir_atomic, write_text_atomic
 
 CURRENT = "current"
 MANIFEST = "manifest.json"
@@ -51,30 +51,6 @@ _MAX_NAME = 120
 
 class PublishError(UserError):
     """A snapshot could not be published or read; the message says which file and why."""
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so that a kill leaves either the old or the new content, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def tenant_filename(tenant: str) -> str:
@@ -133,29 +109,26 @@ def publish(root: Path, payload: Callable[[Path], None], manifest: dict, keep: i
 
 
 def _publish_locked(root: Path, payload: Callable[[Path], None], manifest: dict, keep: int) -> int:
-    for stale in root.glob(".tmp-v*"):
+    for stale in root.glob("v*.partial"):
         shutil.rmtree(stale, ignore_errors=True)
     current = read_current(root)
     # A kill between the directory rename and the pointer swap leaves a complete but unnamed version; the next
     # one is numbered past it so that version numbers never repeat.
     version = max([0, *_versions(root)]) + 1
     name = f"v{version:06d}"
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    try:
+
+    def save(tmp: Path) -> None:
         tmp.mkdir()
         payload(tmp)
         full = {**manifest, "version": version, "parent": current[0] if current else None}
         (tmp / MANIFEST).write_text(json.dumps(full, indent=1, sort_keys=True))
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        fsync_dir(tmp)
-        os.rename(tmp, root / name)
+
+    try:
+        write_dir_atomic(root / name, save)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(root / f"{name}.partial", ignore_errors=True)
         raise
-    fsync_dir(root)
-    write_atomic(root / CURRENT, f"{name}\n".encode())
+    write_text_atomic(root / CURRENT, f"{name}\n")
     for old in _versions(root)[:-keep]:
         shutil.rmtree(root / f"v{old:06d}", ignore_errors=True)
     return version
