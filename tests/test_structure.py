@@ -11,7 +11,7 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "trainer"
 # Loadable without the training stack: a server, an exporter or a data job imports these.
-WITHOUT_LIGHTNING = ("trainer.drafters", "trainer.spec", "trainer.data")
+WITHOUT_LIGHTNING = ("trainer.drafters", "trainer.spec", "trainer.data", "trainer.vlog")
 
 
 def module_name(path) -> str:

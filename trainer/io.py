@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush ``path`` (a file, or a directory after a rename in it) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -36,9 +37,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         yield tmp
-        _fsync(tmp)
+        fsync(tmp)
         os.replace(tmp, path)
-        _fsync(path.parent)
+        fsync(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -57,10 +58,10 @@ def write_dir_atomic(out: Path, save: Callable[[Path], None]) -> None:
     save(tmp)
     for file in tmp.rglob("*"):
         if file.is_file():
-            _fsync(file)
+            fsync(file)
     if out.exists():
         shutil.rmtree(old, ignore_errors=True)
         out.rename(old)
     tmp.rename(out)
-    _fsync(out.parent)
+    fsync(out.parent)
     shutil.rmtree(old, ignore_errors=True)

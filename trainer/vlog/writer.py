@@ -33,6 +33,7 @@ from pathlib import Path
 import orjson
 
 from trainer.errors import UserError
+from trainer.io import fsync
 from trainer.vlog.schema import MAX_LINE_BYTES, RecordError, validate
 from trainer.vlog.segments import FINISHED, PART, PREFIX, list_segments, stem
 
@@ -218,8 +219,4 @@ class LogWriter:
 
     def _rename(self, name: str) -> None:
         os.replace(self.directory / (name + PART), self.directory / (name + FINISHED))
-        dir_fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync(self.directory)
