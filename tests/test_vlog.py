@@ -252,6 +252,8 @@ def test_a_10mb_line_is_an_error_read_in_bounded_chunks(tmp_path):
     assert items[1][1:3] == (len(good), len(good) + len(huge))
     # Never the whole line in memory: at most the limit plus a chunk or two.
     assert peak < 3 << 20
+    # The default limit (8 MiB) rejects it too.
+    assert [type(r) for *_, r in LogReader(tmp_path)] == [dict, RecordError, dict]
 
 
 def test_an_oversized_line_in_an_unfinished_segment_is_waited_for_then_rejected(tmp_path):
