@@ -91,3 +91,19 @@ def test_eval_input_errors(setup, capsys, tmp_path):
                               "--out", str(tmp_path / "o"))  # fmt: skip
     assert "does not exist" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_eval_finishes_when_plots_fail(setup, capsys, monkeypatch, tmp_path):
+    """A failing optional step (the plots) leaves the summaries written and says so in one line; no crash."""
+
+    def broken(summary, out):
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr("trainer.evaluate.plots", broken)
+    out = tmp_path / "out"
+    main(["eval", "--drafter", str(setup / "run"), "--prompts", str(setup / "prompts.jsonl"), "--tree", "ddtree",
+          "--budget", "4", "--max-new-tokens", "4", "--out", str(out)])  # fmt: skip
+    assert json.loads((out / "summary.json").read_text())["n_prompts"] == 2
+    assert (out / "summary.md").stat().st_size > 0
+    warning = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert len(warning) == 1 and "plots not written" in warning[0] and "matplotlib" in warning[0]

@@ -425,10 +425,14 @@ def main(argv: list[str]) -> None:
     write_text_atomic(args.out / "summary.json", json.dumps(summary, indent=1) + "\n")
     report = markdown(summary)
     (args.out / "summary.md").write_text(report + "\n")
-    written = plots(summary, args.out)
     console = Console()
     console.print(report)
-    console.print(f"wrote {args.out / 'summary.json'}, summary.md, {', '.join(p.name for p in written)}")
+    try:
+        written = [p.name for p in plots(summary, args.out)]
+    except Exception as e:  # the plots only restate summary.json: losing them must not lose a finished run
+        written = []
+        console.print(f"[yellow]warning:[/] plots not written ({type(e).__name__}: {e})", soft_wrap=True)
+    console.print(f"wrote {args.out / 'summary.json'}, summary.md{''.join(', ' + n for n in written)}")
     failed = [
         f"{cond} {tree}@{budget}"
         for cond, entry in summary["conditions"].items()
