@@ -46,3 +46,21 @@ def test_every_imported_module_is_a_declared_dependency():
         if not distributions & declared:
             undeclared.append(f"{module} ({path.relative_to(ROOT)}; distribution {sorted(distributions)})")
     assert not undeclared, f"imported but not in [project] dependencies: {undeclared}"
+
+
+def test_shipped_assets_resolve_from_any_directory(tmp_path, monkeypatch):
+    """Recipes by bare name and the shipped checkpoints and prompts by their repository paths, from a working
+    directory that holds none of them."""
+    from trainer.paths import SHIPPED_ROOT, project_path
+    from trainer.recipes import resolve_recipe
+
+    monkeypatch.chdir(tmp_path)
+    assert project_path("checkpoints/target_tiny") == SHIPPED_ROOT / "checkpoints" / "target_tiny"
+    assert (project_path("checkpoints/dflash_tiny") / "model.safetensors").is_file()
+    assert project_path("data/prompts/stdlib_heldout.jsonl").is_file()
+    assert resolve_recipe("treeflash_tiny") == SHIPPED_ROOT / "recipes" / "treeflash_tiny.yaml"
+    # A path that names nothing shipped comes back as written, for the loader to report.
+    assert project_path("checkpoints/nope") == Path("checkpoints/nope")
+    # A file in the working directory wins over the shipped one of the same relative path.
+    (tmp_path / "checkpoints" / "target_tiny").mkdir(parents=True)
+    assert project_path("checkpoints/target_tiny") == Path("checkpoints/target_tiny")

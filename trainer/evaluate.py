@@ -375,11 +375,11 @@ def main(argv: list[str]) -> None:
     except ValueError as e:
         raise UserError(str(e)) from None
     options = TreeOptions.parse(args.tree_opt)
-    prompts = read_prompts(args.prompts)[: args.limit]
+    prompts = read_prompts(project_path(args.prompts))[: args.limit]
 
     drafter, target_name = None, args.target
     if args.drafter is not None:
-        hf, recipe = resolve_drafter(args.drafter)
+        hf, recipe = resolve_drafter(project_path(args.drafter))
         if target_name is None:
             if recipe is None:
                 raise UserError(f"{hf} comes without a run recipe naming its target; pass --target")

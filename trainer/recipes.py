@@ -22,8 +22,9 @@ from typing import Any
 import yaml
 
 from trainer.errors import UserError
+from trainer.paths import SHIPPED_ROOT
 
-PACKAGE_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+PACKAGE_RECIPES = SHIPPED_ROOT / "recipes"
 
 
 class RecipeError(UserError):
