@@ -187,3 +187,24 @@ def test_misspelt_key_inside_a_typed_group(capsys, tmp_path):
 def test_validate_needs_a_checkpoint(capsys):
     code, out = run_main(capsys, "validate", "--recipe", "target_tiny")
     assert code == 2 and "--ckpt_path" in out
+
+
+def test_data_tokenizer_defaults_to_the_targets(capsys, tmp_path):
+    """A drafter recipe that leaves data.spec.tokenizer out tokenizes with its target's tokenizer (the tiny
+    recipes rely on it); a copy of the target's tokenizer is the same tokenizer; another one is an error
+    naming both, before anything loads."""
+    from transformers import AutoTokenizer
+
+    code, out = run_main(capsys, "fit", "--recipe", "treeflash_tiny", "--print_config")
+    assert code == 0
+    assert yaml.safe_load(out)["data"]["init_args"]["spec"]["tokenizer"] == "checkpoints/target_tiny"
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "checkpoints" / "target_tiny")
+    tokenizer.save_pretrained(tmp_path / "same")
+    code, out = run_main(capsys, "fit", "--recipe", "treeflash_tiny", "--data.spec.tokenizer", str(tmp_path / "same"),
+                         "--print_config")  # fmt: skip
+    assert code == 0 and yaml.safe_load(out)["data"]["init_args"]["spec"]["tokenizer"] == str(tmp_path / "same")
+    tokenizer.add_tokens(["<|not_in_the_target|>"])
+    tokenizer.save_pretrained(tmp_path / "other")
+    code, out = run_main(capsys, "fit", "--recipe", "treeflash_tiny", "--data.spec.tokenizer", str(tmp_path / "other"))
+    assert code == 2
+    assert f"'{tmp_path / 'other'}'" in out and "'checkpoints/target_tiny'" in out and "vocabulary" in out

@@ -19,8 +19,17 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 from rich.console import Console
 
+from trainer.data.prepare import data_tokenizer
 from trainer.errors import UserError
-from trainer.recipes import RecipeError, available_recipes, check_keys, load_recipe, parse_overrides, resolve_recipe
+from trainer.recipes import (
+    Override,
+    RecipeError,
+    available_recipes,
+    check_keys,
+    load_recipe,
+    parse_overrides,
+    resolve_recipe,
+)
 
 COMMANDS = {
     "fit": "train a model from a recipe (resume with --ckpt_path last|PATH)",
@@ -56,7 +65,7 @@ class TrainerCLI(LightningCLI):
             LightningDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,
-            args=args,
+            args=[*args, *tokenizer_args(recipe, self._overrides)],
             parser_kwargs={"exit_on_error": False},
             save_config_kwargs={"overwrite": True},
         )
@@ -74,6 +83,26 @@ class TrainerCLI(LightningCLI):
             raise UserError("trainer validate needs --ckpt_path PATH|last: validating untrained weights says nothing")
         if config.get("ckpt_path") == "last":
             config.ckpt_path = str(last_checkpoint(Path(config.trainer.default_root_dir or ".")))
+
+
+def tokenizer_args(recipe: dict[str, Any], overrides: list[Override]) -> list[str]:
+    """The override that sets the data tokenizer to the target's when the recipe (with its overrides) leaves
+    it unset; a tokenizer other than the target's fails here, before anything loads (``data_tokenizer``)."""
+
+    def setting(group: str, key: str) -> Any:
+        for ov in reversed(overrides):
+            if ov.key in (f"{group}.{key}", f"{group}.init_args.{key}"):
+                return ov.value
+        node: Any = recipe.get(group)
+        for part in ("init_args", *key.split(".")):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    target = setting("model", "target")
+    if target is None or not isinstance(setting("data", "spec"), dict):
+        return []
+    tokenizer = setting("data", "spec.tokenizer")
+    return ["--data.init_args.spec.tokenizer", target] if data_tokenizer(tokenizer, target) != tokenizer else []
 
 
 def last_checkpoint(root: Path) -> Path:
