@@ -26,10 +26,13 @@ from trainer.recipes import (
     RecipeError,
     available_recipes,
     check_keys,
+    join_list_values,
     load_recipe,
     parse_overrides,
+    recipe_list_keys,
     resolve_recipe,
 )
+from trainer.training.frozen_target import FrozenTargetTraining
 
 COMMANDS = {
     "fit": "train a model from a recipe (resume with --ckpt_path last|PATH)",
@@ -83,6 +86,16 @@ class TrainerCLI(LightningCLI):
             raise UserError("trainer validate needs --ckpt_path PATH|last: validating untrained weights says nothing")
         if config.get("ckpt_path") == "last":
             config.ckpt_path = str(last_checkpoint(Path(config.trainer.default_root_dir or ".")))
+
+    def after_fit(self) -> None:
+        """A drafter's run ends with the validation table of its trained weights: unless the last validation
+        pass ran at the final step, one more runs now (``trainer validate`` prints the table itself)."""
+        if not isinstance(self.model, FrozenTargetTraining):
+            return
+        if self.model.validated_step != self.trainer.global_step:
+            self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+        elif self.trainer.is_global_zero:
+            self.model.print_table()
 
 
 def tokenizer_args(recipe: dict[str, Any], overrides: list[Override]) -> list[str]:
@@ -181,7 +194,9 @@ def main(argv: list[str] | None = None) -> None:
                 )
             raise UserError(f"trainer {command} needs --recipe NAME|PATH\n\n{_usage()}")
         recipe_path = resolve_recipe(recipe_name)
-        TrainerCLI(command, recipe_path, load_recipe(recipe_path), [command, "--config", str(recipe_path), *rest])
+        recipe = load_recipe(recipe_path)
+        rest = join_list_values(rest, recipe_list_keys(recipe))
+        TrainerCLI(command, recipe_path, recipe, [command, "--config", str(recipe_path), *rest])
     except UserError as e:
         err.print(f"[bold red]trainer {command}:[/] {e}", markup=True, soft_wrap=True)
         sys.exit(2)
