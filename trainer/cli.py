@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from rich.console import Console
 
+from trainer.console import StepProgressBar, quiet_libraries
 from trainer.data.prepare import data_tokenizer
 from trainer.errors import UserError
 from trainer.recipes import (
@@ -86,6 +88,15 @@ class TrainerCLI(LightningCLI):
             raise UserError("trainer validate needs --ckpt_path PATH|last: validating untrained weights says nothing")
         if config.get("ckpt_path") == "last":
             config.ckpt_path = str(last_checkpoint(Path(config.trainer.default_root_dir or ".")))
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """The trainer, with :class:`StepProgressBar` unless the recipe brings a progress bar or disables it."""
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+        return super().instantiate_trainer(**kwargs)
 
     def after_fit(self) -> None:
         """A drafter's run ends with the validation table of its trained weights: unless the last validation
@@ -157,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The recipe is passed to LightningCLI as `args`; its warning about also seeing sys.argv does not apply.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+    quiet_libraries()
     err = Console(stderr=True, highlight=False)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
