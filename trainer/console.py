@@ -7,6 +7,7 @@ source is silenced here, each with the one line that says why it is harmless; ``
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 from lightning.pytorch.callbacks import RichProgressBar
@@ -23,6 +24,12 @@ def quiet_libraries() -> None:
     # transformers draws a bar per checkpoint load and save; the tiny checkpoints take a blink, and the run's
     # own progress bar reports the run.
     hf_logging.disable_progress_bar()
+    # Lightning advertises its cloud logger at every fit start: nothing for a user of this toolkit to act on.
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_not_an_advert)
+
+
+def _not_an_advert(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("💡 Tip")
 
 
 class StepProgressBar(RichProgressBar):
