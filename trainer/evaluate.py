@@ -402,7 +402,7 @@ def main(argv: list[str]) -> None:
         raise UserError(f"trees {trees} need a drafter: pass --drafter")
     if target_name is None:
         raise UserError("pass --target (no drafter run to take it from)")
-    target = load_causal_lm(str(project_path(target_name)), args.dtype, device=device)
+    target = load_causal_lm(target_name, args.dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(str(project_path(target_name)))
     encoded = [torch.tensor(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) for r in prompts]
     if any(e.numel() == 0 for e in encoded):

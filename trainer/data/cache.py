@@ -37,7 +37,6 @@ from trainer.data.prepare import DataSpec, data_tokenizer, load_tokenizer, prepa
 from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
 from trainer.io import atomic_path, write_text_atomic
-from trainer.paths import project_path
 from trainer.target import Target
 
 FORMAT_VERSION = 1
@@ -146,7 +145,7 @@ def cache_features(
         counts = loss_token_counts(map(vars, prepared.train), len(tokenizer))
         DraftVocab.from_counts(counts, draft_vocab_size).save(out_dir / "draft_vocab.safetensors")
 
-    model = Target.from_pretrained(str(project_path(target)), layers, dtype=dtype)
+    model = Target.from_pretrained(target, layers, dtype=dtype)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     total = sum(len(r) for r in rows.values())
     with Progress() as progress:
