@@ -16,6 +16,7 @@ import pytest
 import yaml
 from conftest import ROOT
 
+from trainer.adapt.publish import read_current
 from trainer.cli import main
 
 README = (ROOT / "README.md").read_text()
@@ -44,6 +45,7 @@ TINY = {
     "regenerate": ["--max_new_tokens", "4"],
     "cache": ["--batch_size", "8"],
     "eval": ["--limit", "2", "--max-new-tokens", "4", "--no-greedy-beside"],
+    "adapt": ["--once"],
 }
 
 
@@ -69,6 +71,9 @@ def workdir(tmp_path_factory):
     TreeFlashDraftModel.from_dflash(str(ROOT / "checkpoints" / "dflash_tiny")).save_pretrained(version / "hf")
     recipe = {"model": {"init_args": {"target": "checkpoints/target_tiny"}}}
     (version / "config.yaml").write_text(yaml.safe_dump(recipe))
+    # Verifier-log directories of the graft commands (the README's eval --logs fills the first one).
+    for logs in ("runs/eval/treeflash_tiny/logs", "runs/logs"):
+        (root / logs).mkdir(parents=True, exist_ok=True)
     return root
 
 
@@ -96,6 +101,8 @@ def test_readme_trainer_command(command, workdir, monkeypatch, capsys):
     elif job == "regenerate":
         regenerated = (workdir / "regen.jsonl").read_text().splitlines()
         assert len(regenerated) == 20 and json.loads(regenerated[0])["id"].startswith("chat.jsonl:")
+    elif job == "adapt":
+        assert read_current(workdir / argv[argv.index("--publish") + 1]) is not None
     elif job == "cache":
         manifest = json.loads((workdir / "data" / "cache" / "feat" / "manifest.json").read_text())
         assert manifest["complete"] and manifest["config"]["layers"] == [1, 4, 7]
