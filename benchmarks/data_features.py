@@ -27,12 +27,12 @@ from transformers import AutoModelForCausalLM
 from trainer.data.cache import FeatureCache, cache_features
 from trainer.data.features import online_features
 from trainer.data.prepare import DataSpec
-from trainer.paths import PROJECT_ROOT
+from trainer.paths import project_path
 from trainer.target import Target
 from trainer.tiny.corpus import list_modules
 from trainer.training.datamodule import DraftData
 
-TARGET = str(PROJECT_ROOT / "checkpoints" / "target_tiny")
+TARGET = str(project_path("checkpoints/target_tiny"))
 LAYERS = [1, 4, 7]
 TOPK = 32
 

@@ -17,6 +17,19 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGET = ROOT / "checkpoints" / "target_tiny"
 
 
+def reference_dflash_model():
+    """The reference ``dflash.model`` module of the parity tests. Missing, it fails the test rather than skip it:
+    the README's test command installs it (``pip install --no-deps dflash==0.1.0``)."""
+    import importlib
+
+    try:
+        return importlib.import_module("dflash.model")
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] != "dflash":
+            raise  # dflash is there but something it imports is not
+        pytest.fail("the reference package is missing: pip install --no-deps dflash==0.1.0 (README, Run the tests)")
+
+
 def qwen3_config(num_layers: int = 8, vocab_size: int = 97, **fields: Any) -> Qwen3Config:
     """A tiny Qwen3 config: hidden 32, MLP 64, 4 query and 2 key/value heads of 8 dims, plus ``fields``."""
     return Qwen3Config(

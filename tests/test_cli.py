@@ -8,7 +8,8 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from trainer.cli import main
+import trainer.data.cli as data_cli
+from trainer.cli import TrainerCLI, main
 from trainer.recipes import RecipeError, available_recipes, parse_overrides, resolve_recipe
 
 
@@ -187,3 +188,70 @@ def test_misspelt_key_inside_a_typed_group(capsys, tmp_path):
 def test_validate_needs_a_checkpoint(capsys):
     code, out = run_main(capsys, "validate", "--recipe", "target_tiny")
     assert code == 2 and "--ckpt_path" in out
+
+
+def test_data_tokenizer_defaults_to_the_targets(capsys, tmp_path):
+    """A drafter recipe that leaves data.spec.tokenizer out tokenizes with its target's tokenizer (the tiny
+    recipes rely on it); a copy of the target's tokenizer is the same tokenizer; another one is an error
+    naming both, before anything loads."""
+    from transformers import AutoTokenizer
+
+    code, out = run_main(capsys, "fit", "--recipe", "treeflash_tiny", "--print_config")
+    assert code == 0
+    assert yaml.safe_load(out)["data"]["init_args"]["spec"]["tokenizer"] == "checkpoints/target_tiny"
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "checkpoints" / "target_tiny")
+    tokenizer.save_pretrained(tmp_path / "same")
+    code, out = run_main(capsys, "fit", "--recipe", "treeflash_tiny", "--data.spec.tokenizer", str(tmp_path / "same"),
+                         "--print_config")  # fmt: skip
+    assert code == 0 and yaml.safe_load(out)["data"]["init_args"]["spec"]["tokenizer"] == str(tmp_path / "same")
+    tokenizer.add_tokens(["<|not_in_the_target|>"])
+    tokenizer.save_pretrained(tmp_path / "other")
+    code, out = run_main(capsys, "fit", "--recipe", "treeflash_tiny", "--data.spec.tokenizer", str(tmp_path / "other"))
+    assert code == 2
+    assert f"'{tmp_path / 'other'}'" in out and "'checkpoints/target_tiny'" in out and "vocabulary" in out
+
+
+@pytest.mark.parametrize(
+    ("given", "paths"),
+    [
+        (["a.jsonl"], ["a.jsonl"]),
+        (["a.jsonl", "b.jsonl"], ["a.jsonl", "b.jsonl"]),
+        (["[a.jsonl,b.jsonl]"], ["a.jsonl", "b.jsonl"]),
+    ],
+)
+def test_a_list_of_paths_takes_one_several_or_a_list(capsys, monkeypatch, given, paths):
+    """Everywhere a list of paths is taken: a recipe override and the data commands."""
+    code, out = run_main(capsys, "fit", "--recipe", "treeflash_tiny", "--data.spec.paths", *given, "--print_config")
+    assert code == 0 and yaml.safe_load(out)["data"]["init_args"]["spec"]["paths"] == paths
+    seen = []
+
+    def regenerate(target: str, data: list[str], output: str, max_new_tokens: int = 512) -> None:
+        seen.append(data)
+
+    monkeypatch.setitem(data_cli.COMMANDS, "regenerate", regenerate)
+    main(["data", "regenerate", "--target", "t", "--data", *given, "--output", "o.jsonl", "--max_new_tokens", "4"])
+    assert seen == [paths]
+
+
+def test_fit_ends_with_the_table_of_the_trained_weights():
+    """After fit, the table comes from a validation pass at the final step: one runs unless the last pass was
+    there (a sanity check, which sees untrained weights, leaves ``validated_step`` None)."""
+    from trainer.training.treeflash import TreeFlashTraining
+
+    events = []
+
+    class Trainer:
+        global_step, is_global_zero = 20, True
+
+        def validate(self, model, datamodule, verbose):
+            events.append("validate")
+
+    model = TreeFlashTraining.__new__(TreeFlashTraining)
+    model.print_table = lambda: events.append("table")
+    cli = TrainerCLI.__new__(TrainerCLI)
+    cli.trainer, cli.model, cli.datamodule = Trainer(), model, None
+    for validated_step, expected in [(None, "validate"), (10, "validate"), (20, "table")]:
+        model.__dict__["validated_step"] = validated_step
+        events.clear()
+        cli.after_fit()
+        assert events == [expected]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import qwen3_config
+from conftest import qwen3_config, reference_dflash_model
 from safetensors.torch import load_file
 from transformers import DynamicCache, Qwen3Config
 
@@ -67,13 +67,7 @@ def drafter(target_config) -> DFlashDraftModel:
 
 
 def reference_class():
-    try:
-        from dflash.model import DFlashDraftModel as Reference
-    except ModuleNotFoundError as e:
-        if (e.name or "").partition(".")[0] != "dflash":
-            raise  # dflash is there but something it imports is not: a real failure, not a skip
-        pytest.skip("dflash package not installed: pip install --no-deps dflash")
-    return Reference
+    return reference_dflash_model().DFlashDraftModel
 
 
 def reference_copy(drafter: DFlashDraftModel):

@@ -91,3 +91,46 @@ def test_eval_input_errors(setup, capsys, tmp_path):
                               "--out", str(tmp_path / "o"))  # fmt: skip
     assert "does not exist" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_eval_finishes_when_plots_fail(setup, capsys, monkeypatch, tmp_path):
+    """A failing optional step (the plots) leaves the summaries written and says so in one line; no crash."""
+
+    def broken(summary, out):
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr("trainer.evaluate.plots", broken)
+    out = tmp_path / "out"
+    main(["eval", "--drafter", str(setup / "run"), "--prompts", str(setup / "prompts.jsonl"), "--tree", "ddtree",
+          "--budget", "4", "--max-new-tokens", "4", "--out", str(out)])  # fmt: skip
+    assert json.loads((out / "summary.json").read_text())["n_prompts"] == 2
+    assert (out / "summary.md").stat().st_size > 0
+    warning = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert len(warning) == 1 and "plots not written" in warning[0] and "matplotlib" in warning[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--dtype", "float33"], "argument --dtype: invalid choice: 'float33'"),
+        (["--max-new-tokens", "many"], "argument --max-new-tokens: invalid int value: 'many'"),
+        (["--budget", "4,x"], "--budget takes a comma-separated list of int"),
+        (["--device", "gpu0"], "--device 'gpu0' is not a device"),
+        (["--limit", "0"], "--limit must be at least 1"),
+        (["--tree-opt", "eagle_depth"], "tree option 'eagle_depth'"),
+        (["--no-such-option", "1"], "unrecognized arguments: --no-such-option 1"),
+    ],
+)
+def test_eval_bad_arguments_fail_in_one_line(setup, capsys, tmp_path, args, expected):
+    """Every bad argument is a one-line error and exit 2, like the rest of the CLI: no usage dump, no
+    traceback, and nothing written."""
+    err = run_expecting_error(capsys, "--drafter", str(setup / "run"), "--prompts", str(setup / "prompts.jsonl"),
+                              "--out", str(tmp_path / "o"), *args)  # fmt: skip
+    assert expected in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and "usage:" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_eval_missing_required_argument(capsys, tmp_path):
+    err = run_expecting_error(capsys, "--out", str(tmp_path / "o"))
+    assert "the following arguments are required: --prompts" in err and len(err.strip().splitlines()) == 1

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, TINY_TARGET, chi2_pvalue, qwen3_config
+from conftest import ROOT, TINY_TARGET, chi2_pvalue, qwen3_config, reference_dflash_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
 
 from trainer.drafters.dflash import DFlashDraftModel, build_config
@@ -109,7 +109,7 @@ def test_specblock_greedy_is_lossless(shipped, greedy_references):
 
 
 def test_chain_matches_dflash_generate(shipped, monkeypatch):
-    dflash_model = pytest.importorskip("dflash.model")
+    dflash_model = reference_dflash_model()
     # The reference times with CUDA synchronisation; the wall clock is enough on CPU.
     monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)
     target, _, _, prompts = shipped

@@ -16,11 +16,25 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from rich.console import Console
 
+from trainer.console import StepProgressBar, quiet_libraries
+from trainer.data.prepare import data_tokenizer
 from trainer.errors import UserError
-from trainer.recipes import RecipeError, available_recipes, check_keys, load_recipe, parse_overrides, resolve_recipe
+from trainer.recipes import (
+    Override,
+    RecipeError,
+    available_recipes,
+    check_keys,
+    join_list_values,
+    load_recipe,
+    parse_overrides,
+    recipe_list_keys,
+    resolve_recipe,
+)
+from trainer.training.frozen_target import FrozenTargetTraining
 
 COMMANDS = {
     "fit": "train a model from a recipe (resume with --ckpt_path last|PATH)",
@@ -56,7 +70,7 @@ class TrainerCLI(LightningCLI):
             LightningDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,
-            args=args,
+            args=[*args, *tokenizer_args(recipe, self._overrides)],
             parser_kwargs={"exit_on_error": False},
             save_config_kwargs={"overwrite": True},
         )
@@ -74,6 +88,45 @@ class TrainerCLI(LightningCLI):
             raise UserError("trainer validate needs --ckpt_path PATH|last: validating untrained weights says nothing")
         if config.get("ckpt_path") == "last":
             config.ckpt_path = str(last_checkpoint(Path(config.trainer.default_root_dir or ".")))
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """The trainer, with :class:`StepProgressBar` unless the recipe brings a progress bar or disables it."""
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+        return super().instantiate_trainer(**kwargs)
+
+    def after_fit(self) -> None:
+        """A drafter's run ends with the validation table of its trained weights: unless the last validation
+        pass ran at the final step, one more runs now (``trainer validate`` prints the table itself)."""
+        if not isinstance(self.model, FrozenTargetTraining):
+            return
+        if self.model.validated_step != self.trainer.global_step:
+            self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+        elif self.trainer.is_global_zero:
+            self.model.print_table()
+
+
+def tokenizer_args(recipe: dict[str, Any], overrides: list[Override]) -> list[str]:
+    """The override that sets the data tokenizer to the target's when the recipe (with its overrides) leaves
+    it unset; a tokenizer other than the target's fails here, before anything loads (``data_tokenizer``)."""
+
+    def setting(group: str, key: str) -> Any:
+        for ov in reversed(overrides):
+            if ov.key in (f"{group}.{key}", f"{group}.init_args.{key}"):
+                return ov.value
+        node: Any = recipe.get(group)
+        for part in ("init_args", *key.split(".")):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    target = setting("model", "target")
+    if target is None or not isinstance(setting("data", "spec"), dict):
+        return []
+    tokenizer = setting("data", "spec.tokenizer")
+    return ["--data.init_args.spec.tokenizer", target] if data_tokenizer(tokenizer, target) != tokenizer else []
 
 
 def last_checkpoint(root: Path) -> Path:
@@ -115,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The recipe is passed to LightningCLI as `args`; its warning about also seeing sys.argv does not apply.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+    quiet_libraries()
     err = Console(stderr=True, highlight=False)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -152,7 +206,9 @@ def main(argv: list[str] | None = None) -> None:
                 )
             raise UserError(f"trainer {command} needs --recipe NAME|PATH\n\n{_usage()}")
         recipe_path = resolve_recipe(recipe_name)
-        TrainerCLI(command, recipe_path, load_recipe(recipe_path), [command, "--config", str(recipe_path), *rest])
+        recipe = load_recipe(recipe_path)
+        rest = join_list_values(rest, recipe_list_keys(recipe))
+        TrainerCLI(command, recipe_path, recipe, [command, "--config", str(recipe_path), *rest])
     except UserError as e:
         err.print(f"[bold red]trainer {command}:[/] {e}", markup=True, soft_wrap=True)
         sys.exit(2)

@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.progress import Progress
 from transformers import AutoTokenizer, PreTrainedModel
 
-from trainer.errors import UserError
+from trainer.errors import ArgumentParser, UserError
 from trainer.io import write_text_atomic
 from trainer.paths import project_path
 from trainer.spec.drafting import RecyclingSession, load_drafter
@@ -43,6 +43,7 @@ from trainer.vlog.recorder import StepRecorder
 from trainer.vlog.writer import LogWriter
 
 PHASES = ("draft", "tree", "verify", "commit")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------------
@@ -92,6 +93,17 @@ def recipe_target(recipe: Path) -> str:
         return config["model"]["init_args"]["target"]
     except (KeyError, TypeError):
         raise UserError(f"{recipe} names no model.init_args.target; pass --target") from None
+
+
+def parse_device(text: str) -> torch.device:
+    """``--device`` as a torch device that this machine has."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise UserError(f"--device {text!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {text}: CUDA is not available on this machine")
+    return device
 
 
 def parse_list(text: str, kind: type, name: str) -> list:
@@ -317,9 +329,7 @@ def plots(summary: dict, out: Path) -> list[Path]:
 
 # ---- command --------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="trainer eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = ArgumentParser(prog="trainer eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", type=Path, help="training run directory or exported HF drafter directory")
     p.add_argument("--prompts", type=Path, required=True, help='JSONL, one {"id", "prompt"} per line')
     p.add_argument("--tree", default="ddtree", help=f"comma-separated builders: {', '.join(sorted(BUILDERS))}")
@@ -355,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="decode max-new-tokens even past end-of-text")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", help="target and drafter dtype: float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="target and drafter dtype")
     return p
 
 
@@ -370,26 +380,29 @@ def main(argv: list[str]) -> None:
         raise UserError("--budget values must be at least 1 node")
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
+    if args.limit is not None and args.limit < 1:
+        raise UserError("--limit must be at least 1 prompt")
+    device = parse_device(args.device)
     try:
         headline = Sampling(args.temperature, args.top_p, args.top_k)
     except ValueError as e:
         raise UserError(str(e)) from None
     options = TreeOptions.parse(args.tree_opt)
-    prompts = read_prompts(args.prompts)[: args.limit]
+    prompts = read_prompts(project_path(args.prompts))[: args.limit]
 
     drafter, target_name = None, args.target
     if args.drafter is not None:
-        hf, recipe = resolve_drafter(args.drafter)
+        hf, recipe = resolve_drafter(project_path(args.drafter))
         if target_name is None:
             if recipe is None:
                 raise UserError(f"{hf} comes without a run recipe naming its target; pass --target")
             target_name = recipe_target(recipe)
-        drafter = load_drafter(hf, getattr(torch, args.dtype)).to(args.device)
+        drafter = load_drafter(hf, getattr(torch, args.dtype)).to(device)
     elif any(BUILDERS[t].session is not RecyclingSession for t in trees):
         raise UserError(f"trees {trees} need a drafter: pass --drafter")
     if target_name is None:
         raise UserError("pass --target (no drafter run to take it from)")
-    target = load_causal_lm(str(project_path(target_name)), args.dtype, device=args.device)
+    target = load_causal_lm(target_name, args.dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(str(project_path(target_name)))
     encoded = [torch.tensor(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) for r in prompts]
     if any(e.numel() == 0 for e in encoded):
@@ -425,10 +438,14 @@ def main(argv: list[str]) -> None:
     write_text_atomic(args.out / "summary.json", json.dumps(summary, indent=1) + "\n")
     report = markdown(summary)
     (args.out / "summary.md").write_text(report + "\n")
-    written = plots(summary, args.out)
     console = Console()
     console.print(report)
-    console.print(f"wrote {args.out / 'summary.json'}, summary.md, {', '.join(p.name for p in written)}")
+    try:
+        written = [p.name for p in plots(summary, args.out)]
+    except Exception as e:  # the plots only restate summary.json: losing them must not lose a finished run
+        written = []
+        console.print(f"[yellow]warning:[/] plots not written ({type(e).__name__}: {e})", soft_wrap=True)
+    console.print(f"wrote {args.out / 'summary.json'}, summary.md{''.join(', ' + n for n in written)}")
     failed = [
         f"{cond} {tree}@{budget}"
         for cond, entry in summary["conditions"].items()

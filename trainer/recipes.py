@@ -12,18 +12,21 @@ import dataclasses
 import difflib
 import importlib
 import inspect
+import json
 import os
 import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from types import UnionType
 from typing import Any
 
 import yaml
 
 from trainer.errors import UserError
+from trainer.paths import SHIPPED_ROOT
 
-PACKAGE_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+PACKAGE_RECIPES = SHIPPED_ROOT / "recipes"
 
 
 class RecipeError(UserError):
@@ -93,6 +96,55 @@ def parse_overrides(args: list[str]) -> list[Override]:
         else:
             out.append(Override(arg[2:], None))
             i += 1
+    return out
+
+
+def list_keys(fn: Any) -> set[str]:
+    """Dotted names of the list-typed parameters of ``fn`` (a function or a class), descending into
+    dataclass groups: ``{"data"}`` for ``regenerate``, ``{"layers", "spec.paths"}`` for ``cache_features``."""
+    hints = typing.get_type_hints(fn.__init__ if inspect.isclass(fn) else fn)
+    return {key for name, hint in hints.items() if name != "return" for key in _list_leaves(hint, name)}
+
+
+def _list_leaves(annotation: Any, key: str) -> set[str]:
+    fields = _nested_fields(annotation)
+    if fields is not None:
+        return {k for name, hint in fields.items() for k in _list_leaves(hint, f"{key}.{name}")}
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, UnionType) else ()
+    return {key} if list in {typing.get_origin(a) for a in (annotation, *options)} else set()
+
+
+def recipe_list_keys(recipe: dict[str, Any]) -> set[str]:
+    """The overrides of a recipe that take a list, as ``group.key`` and ``group.init_args.key``."""
+    keys = set()
+    for group in ("model", "data"):
+        node = recipe.get(group)
+        params = _class_params(str(node["class_path"])) if isinstance(node, dict) and "class_path" in node else None
+        for name, hint in params[0].items() if params else ():
+            keys |= {k for key in _list_leaves(hint, name) for k in (f"{group}.{key}", f"{group}.init_args.{key}")}
+    return keys
+
+
+def join_list_values(args: list[str], keys: set[str]) -> list[str]:
+    """``--key a b`` and ``--key a`` as ``--key '["a", "b"]'`` for the list-typed ``keys``, so that a list of
+    paths is given the way a shell lists files; a value written as a list (``'[a, b]'``) stays as it is."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        start, arg = i, args[i]
+        i += 1
+        key, sep, inline = arg[2:].partition("=")
+        if not arg.startswith("--") or key not in keys:
+            out.append(arg)
+            continue
+        values = [inline] if sep else []
+        while not sep and i < len(args) and not args[i].startswith("--"):
+            values.append(args[i])
+            i += 1
+        if not values or (len(values) == 1 and values[0].lstrip().startswith("[")):
+            out += args[start:i]
+        else:
+            out += [f"--{key}", json.dumps(values)]
     return out
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.errors import UserError
+from trainer.paths import project_path
 
 
 @dataclass
@@ -62,10 +63,11 @@ def load_causal_lm(
     attn_implementation: str = "sdpa",
     device: str | torch.device | None = None,
 ) -> PreTrainedModel:
-    """An HF causal LM by hub id or local path; a clear UserError when it cannot be loaded."""
+    """An HF causal LM by hub id or local path (a shipped one from any directory, ``trainer.paths``); a clear
+    UserError when it cannot be loaded."""
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
+            str(project_path(name_or_path)), dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
         )
     except (OSError, ValueError) as e:
         where = "local directory" if Path(name_or_path).exists() else "local path nor a reachable hub id"

@@ -10,13 +10,13 @@ from pathlib import Path
 
 from trainer.adapt import graft
 from trainer.adapt.graft import DEFAULT_TARGET, GraftConfig, run_graft
-from trainer.errors import UserError
+from trainer.errors import ArgumentParser, UserError
 
 DEFAULTS = GraftConfig()
 
 
-def graft_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def graft_parser() -> ArgumentParser:
+    p = ArgumentParser(
         prog="trainer adapt graft", description=graft.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--logs", type=Path, required=True, help="verifier log directory (segments *.jsonl[.part])")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +33,10 @@ from torch.utils.data import Dataset
 
 from trainer.data.features import online_features
 from trainer.data.pack import PackedRow, collate, loss_token_counts
-from trainer.data.prepare import DataSpec, load_tokenizer, prepare
+from trainer.data.prepare import DataSpec, data_tokenizer, load_tokenizer, prepare
 from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
 from trainer.io import atomic_path, write_text_atomic
-from trainer.paths import project_path
 from trainer.target import Target
 
 FORMAT_VERSION = 1
@@ -111,7 +110,7 @@ def cache_features(
         target: HF causal LM directory or hub id.
         layers: target layer ids whose outputs form the feature (HF hidden_states[l + 1]).
         out: cache directory; an existing cache of the same arguments is resumed, a different one refused.
-        spec: the data, exactly as the training recipe states it.
+        spec: the data, exactly as the training recipe states it (its tokenizer defaults to the target's).
         topk: teacher tokens kept per position.
         shard_rows: rows per shard file (the unit of resume).
         batch_size: rows per target forward.
@@ -119,6 +118,7 @@ def cache_features(
         draft_vocab_size: also write d2t/t2d for a reduced draft vocabulary of this size.
     """
     out_dir = Path(out)
+    spec = replace(spec, tokenizer=data_tokenizer(spec.tokenizer, target))
     config = _manifest_config(target, layers, topk, spec, shard_rows)
     manifest_path = out_dir / "manifest.json"
     if manifest_path.exists():
@@ -145,7 +145,7 @@ def cache_features(
         counts = loss_token_counts(map(vars, prepared.train), len(tokenizer))
         DraftVocab.from_counts(counts, draft_vocab_size).save(out_dir / "draft_vocab.safetensors")
 
-    model = Target.from_pretrained(str(project_path(target)), layers, dtype=dtype)
+    model = Target.from_pretrained(target, layers, dtype=dtype)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     total = sum(len(r) for r in rows.values())
     with Progress() as progress:

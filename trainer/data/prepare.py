@@ -29,7 +29,9 @@ class DataSpec:
             dataset as ``hub:NAME`` where a hub is reachable.
         format: ``chat`` (OpenAI ``messages`` or ShareGPT ``conversations``; loss on assistant tokens only) or
             ``text`` (every token).
-        tokenizer: tokenizer directory or hub id; its own chat template renders the conversations.
+        tokenizer: tokenizer directory or hub id; its own chat template renders the conversations. Unset, the
+            target's (``trainer fit`` and ``trainer data cache`` fill it in); another tokenizer than the
+            target's is an error (see ``data_tokenizer``).
         max_length: tokens per row.
         packing: pack several samples into one row (no attention across them).
         truncation: cut samples longer than ``max_length``; if false they are dropped and counted.
@@ -41,7 +43,7 @@ class DataSpec:
 
     paths: list[str]
     format: Literal["chat", "text"] = "chat"
-    tokenizer: str = "checkpoints/target_tiny"
+    tokenizer: str | None = None
     max_length: int = 1024
     packing: bool = True
     truncation: bool = True
@@ -65,6 +67,31 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load tokenizer '{name_or_path}': {e}") from None
+
+
+def data_tokenizer(tokenizer: str | None, target: str) -> str:
+    """The tokenizer of a drafter's data: the target's when ``tokenizer`` is unset, else ``tokenizer`` if it is
+    the target's (same vocabulary and chat template). A drafter trained on another tokenizer's ids learns
+    tokens the target never emits, so a different one is an error naming both."""
+    if tokenizer is None:
+        return target
+    if tokenizer == target or project_path(tokenizer).resolve() == project_path(target).resolve():
+        return tokenizer
+    ours, targets = load_tokenizer(tokenizer), load_tokenizer(target)
+    differ = [
+        what
+        for what, a, b in (
+            ("vocabulary", ours.get_vocab(), targets.get_vocab()),
+            ("chat template", ours.chat_template, targets.chat_template),
+        )
+        if a != b
+    ]
+    if differ:
+        raise UserError(
+            f"the data tokenizer '{tokenizer}' is not the tokenizer of the target '{target}' "
+            f"({' and '.join(differ)} differ); leave data.spec.tokenizer out to use the target's"
+        )
+    return tokenizer
 
 
 def _chunks(sample: Rendered, max_length: int) -> list[Rendered]:

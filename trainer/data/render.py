@@ -113,7 +113,9 @@ def assistant_spans(
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], **template_kwargs: Any) -> Rendered:
     """Token ids of the templated conversation and a mask that is 1 on assistant tokens only."""
     text, spans = assistant_spans(tokenizer, messages, **template_kwargs)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    # verbose=False: a conversation longer than the tokenizer's model_max_length is truncated or dropped by the
+    # spec's policy before any model sees it, so transformers' "longer than the maximum" warning does not apply.
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     mask = []
     for tok_start, tok_end in enc["offset_mapping"]:
         inside = any(tok_end > s and tok_start < e for s, e in spans)
@@ -123,7 +125,8 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], **
 
 def render_text(tokenizer: PreTrainedTokenizerBase, text: str) -> Rendered:
     """Plain text (code): every token is learned; the end-of-text token closes the document."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    # Whole files are tokenized and cut into rows later, so a file longer than model_max_length is expected.
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     if tokenizer.eos_token_id is not None:
         ids = [*ids, tokenizer.eos_token_id]
     return Rendered(input_ids=list(ids), loss_mask=[1] * len(ids), text=text)

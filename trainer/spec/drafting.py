@@ -32,6 +32,7 @@ from trainer.drafters.specblock import SpecBlockDraftModel, launch_mask
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
 from trainer.masks import additive_mask
+from trainer.paths import project_path
 from trainer.spec.tree import Transitions, Tree
 
 
@@ -192,8 +193,9 @@ class RecyclingSession(DraftSession):
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A DFlash, TreeFlash, EAGLE-3 or SpecBlock drafter from an HF directory, by its ``architectures``."""
-    path = Path(path)
+    """A DFlash, TreeFlash, EAGLE-3 or SpecBlock drafter from an HF directory (a shipped one from any
+    directory, ``trainer.paths``), by its ``architectures``."""
+    path = project_path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise UserError(f"no drafter at {path}: {config_file} does not exist")

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from trainer.paths import SHIPPED_ROOT
+
 Split = Literal["train", "validation", "heldout"]
 SPLITS: tuple[Split, ...] = ("train", "validation", "heldout")
 
@@ -28,7 +30,7 @@ _HELDOUT_FROM = 95
 
 _THIRD_PARTY_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
-HELDOUT_MANIFEST = Path(__file__).resolve().parents[2] / "data" / "stdlib_heldout_modules.json"
+HELDOUT_MANIFEST = SHIPPED_ROOT / "data" / "stdlib_heldout_modules.json"
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,8 @@ class StdlibCorpus(L.LightningDataModule):
             modules = list_modules(split)[: self.max_files]
             texts = [t for t in map(read_module, modules) if t]
             eos = self.tokenizer.eos_token_id
-            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            # Whole modules, cut into rows later: longer than model_max_length is expected (verbose=False).
+            ids = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
             arr = np.fromiter((tok for doc in ids for tok in (*doc, eos)), dtype=np.uint16)
             with atomic_path(path) as tmp, open(tmp, "wb") as f:
                 np.save(f, arr)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from trainer.paths import project_path
 from trainer.tiny.corpus import list_modules, read_module
 
 
@@ -51,7 +52,7 @@ def main() -> None:
     parser.add_argument("--per-module", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=96, help="approximate prompt length in tokens")
     args = parser.parse_args()
-    rows = build_prompts(AutoTokenizer.from_pretrained(args.tokenizer), args.per_module, args.tokens)
+    rows = build_prompts(AutoTokenizer.from_pretrained(project_path(args.tokenizer)), args.per_module, args.tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"{len(rows)} prompts from {len({r['module'] for r in rows})} held-out modules -> {args.out}")

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from trainer.paths import project_path
 from trainer.textstats import ends_in_loop, ngram_repetition
 from trainer.tiny.pretrain import StdlibCorpus
 
@@ -75,8 +76,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    data = StdlibCorpus(tokenizer=args.target)
+    target = str(project_path(args.target))
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    data = StdlibCorpus(tokenizer=target)
     data.setup()
     start = time.perf_counter()
     report = {
@@ -85,7 +87,8 @@ def main() -> None:
         "unigram_loss": unigram_loss(data.tokens("train"), data.tokens("heldout"), model.config.vocab_size),
     }
     report["heldout_perplexity"] = math.exp(report["heldout_loss"])
-    prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
+    lines = project_path(args.prompts).read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in lines if line.strip()]
     report["greedy"] = generation_stats(model, data.tokenizer, prompts, args.max_new_tokens, 0.0, seed=0)
     report["sampled_t0.7"] = generation_stats(model, data.tokenizer, prompts, args.max_new_tokens, 0.7, seed=0)
     report["report_seconds"] = time.perf_counter() - start

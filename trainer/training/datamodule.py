@@ -77,6 +77,8 @@ class DraftData(L.LightningDataModule):
         self.num_workers = num_workers
         if features == "offline" and not cache_dir:
             raise UserError("data.features is 'offline' but data.cache_dir is not set")
+        if spec.tokenizer is None:
+            raise UserError("data.spec.tokenizer is unset: name the target's tokenizer (trainer fit fills it in)")
         self.tokenizer = load_tokenizer(spec.tokenizer)
         self._datasets: dict[str, Dataset] = {}
         self._resume: dict[str, int] | None = None

@@ -69,6 +69,9 @@ class FrozenTargetTraining(L.LightningModule):
         self.target: Target | None = None
         self.drafter: torch.nn.Module | None = None
         self.val_sums = MetricSums()
+        # The global step whose weights the last validation pass saw; None before one (the sanity check's
+        # untrained weights do not count).
+        self.validated_step: int | None = None
 
     # ---- model --------------------------------------------------------------------------------------------
     @abstractmethod
@@ -167,6 +170,7 @@ class FrozenTargetTraining(L.LightningModule):
             # the end of fit.
             self.val_sums.clear()
             return
+        self.validated_step = self.trainer.global_step
         for name, value in self.validation_metrics().items():
             self.log(name, value, sync_dist=True)
         if self.trainer.state.fn == "validate" and self.trainer.is_global_zero:
@@ -178,9 +182,9 @@ class FrozenTargetTraining(L.LightningModule):
 
     @abstractmethod
     def print_table(self) -> None:
-        """Print the table of the validation metrics gathered so far (nothing when there are none)."""
+        """Print the table of the validation metrics gathered so far (nothing when there are none); a
+        ``trainer validate`` run prints it, and ``trainer fit`` prints that of the trained weights at the end."""
 
     def on_fit_end(self) -> None:
         if self.trainer.is_global_zero:
-            self.print_table()
             print(f"{self.family} drafter -> {self.export()}")

@@ -1,0 +1,131 @@
+"""Every command line of the README's shell blocks runs as written, from a directory outside the checkout.
+
+Long jobs get tiny settings appended (a later option wins): ``fit`` / ``validate`` stop after resolving the
+recipe (``--print_config``), which checks the recipe, every override and its type; the data and eval
+commands run for real on a few conversations, prompts and tokens. Training itself is run from an installed
+wheel by ``.ci/wheel_check``.
+"""
+
+import json
+import re
+import runpy
+import shlex
+import sys
+
+import pytest
+import yaml
+from conftest import ROOT
+
+from trainer.adapt.publish import read_current
+from trainer.cli import main
+
+README = (ROOT / "README.md").read_text()
+
+
+def readme_commands() -> list[str]:
+    """The command lines of the README's ``bash`` blocks: continuations joined, comments and ``&&`` split."""
+    commands = []
+    for block in re.findall(r"^ *```bash\n(.*?)^ *```", README, flags=re.S | re.M):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            while words:
+                cut = words.index("&&") if "&&" in words else len(words)
+                command = words[:cut]
+                while command and re.fullmatch(r"[A-Z_]+=\S*", command[0]):  # OMP_NUM_THREADS=1 ...
+                    command = command[1:]
+                commands.append(shlex.join(command))
+                words = words[cut + 1 :]
+    return commands
+
+
+COMMANDS = readme_commands()
+TINY = {
+    "fit": ["--print_config"],
+    "validate": ["--print_config"],
+    "regenerate": ["--max_new_tokens", "4"],
+    "cache": ["--batch_size", "8"],
+    "eval": ["--limit", "2", "--max-new-tokens", "4", "--no-greedy-beside"],
+    "adapt": ["--once"],
+}
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    blocks = re.findall(r"^ *```bash\n(.*?)^ *```", README, flags=re.S | re.M)
+    tests = [line for block in blocks for line in block.splitlines() if line.endswith("&& pytest")]
+    assert len(tests) == 1
+    assert f"{tests[0]} || exit 1" in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A working directory outside the checkout with what the README's commands read: ``chat.jsonl`` (20
+    short conversations) and a TreeFlash run ``runs/treeflash_tiny`` over the shipped backbone."""
+    from trainer.drafters.treeflash import TreeFlashDraftModel
+
+    root = tmp_path_factory.mktemp("readme")
+    user, assistant = "Write f{}.", "def f{}(): ..."
+    rows = [[{"role": "user", "content": user.format(i)}, {"role": "assistant", "content": assistant.format(i)}]
+            for i in range(20)]  # fmt: skip
+    (root / "chat.jsonl").write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
+    version = root / "runs" / "treeflash_tiny" / "lightning_logs" / "version_0"
+    TreeFlashDraftModel.from_dflash(str(ROOT / "checkpoints" / "dflash_tiny")).save_pretrained(version / "hf")
+    recipe = {"model": {"init_args": {"target": "checkpoints/target_tiny"}}}
+    (version / "config.yaml").write_text(yaml.safe_dump(recipe))
+    # Verifier-log directories of the graft commands (the README's eval --logs fills the first one).
+    for logs in ("runs/eval/treeflash_tiny/logs", "runs/logs"):
+        (root / logs).mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def run_trainer(argv: list[str]) -> int:
+    try:
+        main(argv)
+    except SystemExit as e:
+        return e.code or 0
+    return 0
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c.split()[-1] != "pytest" and c.startswith("trainer ")])
+def test_readme_trainer_command(command, workdir, monkeypatch, capsys):
+    monkeypatch.chdir(workdir)
+    argv = shlex.split(command)[1:]
+    job = argv[1] if argv[0] == "data" else argv[0]
+    assert run_trainer([*argv, *TINY[job]]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    if job in ("fit", "validate"):
+        config = yaml.safe_load(out)
+        if "--trainer.max_steps" in argv:
+            assert config["trainer"]["max_steps"] == int(argv[argv.index("--trainer.max_steps") + 1])
+        if "spec" in config["data"]["init_args"]:
+            assert config["data"]["init_args"]["spec"]["tokenizer"] == "checkpoints/target_tiny"
+    elif job == "regenerate":
+        regenerated = (workdir / "regen.jsonl").read_text().splitlines()
+        assert len(regenerated) == 20 and json.loads(regenerated[0])["id"].startswith("chat.jsonl:")
+    elif job == "adapt":
+        assert read_current(workdir / argv[argv.index("--publish") + 1]) is not None
+    elif job == "cache":
+        manifest = json.loads((workdir / "data" / "cache" / "feat" / "manifest.json").read_text())
+        assert manifest["complete"] and manifest["config"]["layers"] == [1, 4, 7]
+    else:
+        out_dir = next(argv[i + 1] for i, a in enumerate(argv) if a == "--out")
+        summary = json.loads((workdir / out_dir / "summary.json").read_text())
+        assert summary["n_prompts"] == 2 and all(r["tau"] >= 1 for t in summary["conditions"].values()
+                                                 for b in t["runs"].values() for r in b.values())  # fmt: skip
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c.startswith("python -m trainer.")])
+def test_readme_module_command_parses(command, monkeypatch, capsys):
+    """The rebuild steps of the tiny target write into checkpoints/; here they only show their arguments."""
+    argv = shlex.split(command)
+    monkeypatch.setattr(sys, "argv", [argv[2], *argv[3:], "--help"])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_module(argv[2], run_name="__main__")
+    assert exc.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_every_readme_command_is_covered():
+    """Every README command is one the tests above run (or the install lines CI runs); adding another kind
+    means deciding how it is checked."""
+    kinds = ("trainer ", "python -m trainer.", "pip install ")
+    assert [c for c in COMMANDS if not c.startswith(kinds) and c != "pytest"] == []
+    assert {c.split()[0] if c.startswith("trainer ") else c for c in COMMANDS} >= {"trainer", "pytest"}
