@@ -22,6 +22,12 @@ def test_parse_converts_each_kind():
     assert options.recycling_decay == 0.3
     assert options.treeflash_top_m is None
     assert TreeOptions.parse([]) == TreeOptions()
+    graft = TreeOptions.parse(
+        ["graft_checkpoints=0,2", "graft_thresholds=0.3,0.25", "graft_draft_share=0.5,1,1", "graft_retrieval=false"]
+    )
+    assert graft.graft_checkpoints == (0, 2) and graft.graft_thresholds == (0.3, 0.25)
+    assert graft.graft_draft_share == (0.5, 1.0, 1.0) and graft.graft_retrieval is False
+    assert TreeOptions.parse(["graft_retrieval=yes"]).graft_retrieval is True
 
 
 @pytest.mark.parametrize(
@@ -33,6 +39,11 @@ def test_parse_converts_each_kind():
         ("eagle_depth=0", "at least 1"),
         ("specblock_branch=1,2", "4 widths"),
         ("recycling_decay=1.5", "(0, 1)"),
+        ("graft_checkpoints=1,0,5", "ascending"),
+        ("graft_thresholds=0.1", "one threshold per checkpoint"),
+        ("graft_draft_share=0.5,0.5,1.5,1", "shares in [0, 1]"),
+        ("graft_confidence=entropy", "one of"),
+        ("graft_retrieval=maybe", "not a valid bool"),
     ],
 )
 def test_bad_option_is_named(item, words):
@@ -78,3 +89,19 @@ def test_eagle_depth_sets_drafter_forwards(target):
         # One drafter forward per depth: the context's, then one per expanded depth.
         assert g.steps[0].forwards == depth
         assert max(s.tree_depth for s in g.steps) <= depth
+
+
+def test_graft_checkpoints_cut_drafter_forwards(target):
+    """EAGLE-3 under Graft: a threshold no frontier reaches stops at the first checkpoint (the context forward
+    only); zero thresholds never prune (EAGLE's full depth); near the end, checkpoints past the depth never fire."""
+    torch.manual_seed(0)
+    drafter = Eagle3DraftModel(eagle3_config(target.config, draft_vocab_size=target.config.vocab_size)).eval()
+    prompt = torch.tensor([5, 6, 7, 5, 6, 7])
+    cases = [((0, 1, 5), (1.1, 1.1, 1.1), 1, 0), ((1, 3), (0.0, 1.1), 4, 1), ((0, 1, 5), (0.0, 0.0, 0.0), 7, 3)]
+    for checkpoints, thresholds, forwards, stage in cases:
+        share = (0.5,) * (len(checkpoints) + 1)
+        options = TreeOptions(graft_checkpoints=checkpoints, graft_thresholds=thresholds, graft_draft_share=share)
+        session = make_session("graft", target, drafter, options)
+        g = generate(target, session, BUILDERS["graft"], prompt, 9, budget=16, options=options)
+        assert g.steps[0].forwards == forwards
+        assert stage in session.stages

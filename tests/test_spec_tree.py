@@ -11,9 +11,13 @@ from trainer.spec.tree import (
     Tree,
     chain,
     ddtree,
+    frontier_confidence,
+    merge_trie,
+    pruned_depth,
     recycling_template,
     retrieval,
     root_only,
+    template_by_prior,
     treeflash,
 )
 
@@ -125,3 +129,81 @@ def test_retrieval_fills_from_adjacency_and_skips_unknown_and_duplicates():
     pairs = [(int(tree.tokens[tree.parents[i]]), int(tree.tokens[i])) for i in range(1, tree.size + 1)]
     # (2,) duplicates token 2, (0, 2) is unknown, (1, 0) hangs under 2 whose row is unknown, 3's row is unknown.
     assert pairs == [(5, 1), (5, 2), (1, 3), (1, 4)]
+
+
+def test_template_by_prior_prefixes_are_the_templates():
+    order = template_by_prior(40, 8, 0.5, 6)
+    for size in (1, 7, 16, 40):
+        assert set(order[:size]) == set(recycling_template(size))
+    # Every prefix is a tree: a path's parent comes before it.
+    assert all(p[:-1] in set(order[:i]) for i, p in enumerate(order) if len(p) > 1)
+
+
+def paths(tree: Tree) -> set[tuple[int, ...]]:
+    """Every node as its token path from the root (a trie's identity)."""
+    out, path = set(), {0: ()}
+    for i in range(1, tree.size + 1):
+        path[i] = (*path[int(tree.parents[i])], int(tree.tokens[i]))
+        out.add(path[i])
+    return out
+
+
+def test_merge_trie_collapses_coinciding_paths_and_fills_to_the_budget():
+    draft = Tree.from_lists([9, 1, 2, 3], [-1, 0, 0, 1])  # paths (1), (2), (1, 3)
+    # Retrieval: (1) and (1, 3) coincide with drafted paths, (2, 5) hangs under a drafted node, (4) is new.
+    extra = Tree.from_lists([9, 1, 4, 3, 7, 2, 5, 6], [-1, 0, 0, 1, 1, 0, 5, 2])
+    merged = merge_trie(draft, extra, budget=6)
+    merged.validate()
+    assert merged.size == 6
+    assert merged.tokens[:4].tolist() == [9, 1, 2, 3] and merged.parents[:4].tolist() == [-1, 0, 0, 1]
+    # The three collapsed retrieval nodes cost nothing: the fill reaches (2, 5) in retrieval order.
+    assert paths(merged) == {(1,), (2,), (1, 3), (4,), (1, 7), (2, 5)}
+    # A smaller budget takes extra's nodes in order and skips the subtree of a node that did not fit.
+    small = merge_trie(draft, extra, budget=4)
+    assert paths(small) == {(1,), (2,), (1, 3), (4,)}
+    # A budget above the union: everything once.
+    assert paths(merge_trie(draft, extra, budget=50)) == paths(draft) | paths(extra)
+    with pytest.raises(ValueError, match="different roots"):
+        merge_trie(draft, root_only(8), budget=6)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_merge_trie_is_the_union_as_a_trie(seed):
+    g = torch.Generator().manual_seed(seed)
+    adjacency = torch.randint(0, 6, (6, 3), generator=g)
+    draft = retrieval(adjacency, 0, recycling_template(10, 3))
+    other = torch.randint(0, 6, (6, 3), generator=g)
+    extra = retrieval(other, 0, template_by_prior(30, 3, 0.5, 4))
+    for budget in (draft.size, draft.size + 5, 100):
+        merged = merge_trie(draft, extra, budget)
+        merged.validate()
+        union = paths(draft) | paths(extra)
+        assert merged.size == min(budget, len(union))
+        assert paths(draft) <= paths(merged) <= union
+
+
+def test_frontier_confidence_kinds():
+    scores = [math.log(0.3), math.log(0.1)]
+    parents = [math.log(0.5), math.log(0.5)]
+    assert frontier_confidence(scores, parents, "mass") == pytest.approx(0.4)
+    assert frontier_confidence(scores, parents, "best") == pytest.approx(0.3)
+    assert frontier_confidence(scores, parents, "top1") == pytest.approx(0.6)
+    assert frontier_confidence([], [], "mass") == 0.0
+    with pytest.raises(ValueError, match="unknown"):
+        frontier_confidence(scores, parents, "entropy")
+
+
+def test_pruned_depth_stops_at_the_first_low_checkpoint():
+    # Depth 1 confident (0.9), depth 2 confident given it (0.9), depth 3 uniform over 10 tokens.
+    probs = torch.full((4, 10), 0.1 / 9)
+    probs[0, 0] = probs[1, 1] = 0.9
+    probs[2:] = 0.1
+    lp = probs.log()
+    # Checkpoint 0 judges depth 1 (best path 0.9), checkpoint 2 judges depth 3 (0.81 * 0.1).
+    assert pruned_depth(lp, (0, 2), (0.5, 0.5), width=1, kind="best") == (1, 3)
+    assert pruned_depth(lp, (0, 2), (0.95, 0.5), width=1, kind="best") == (0, 1)
+    assert pruned_depth(lp, (0, 2), (0.5, 0.05), width=1, kind="best") == (2, 4)
+    # The frontier's mass over all 10 tokens at depth 3 is the greedy prefix's 0.81.
+    assert pruned_depth(lp, (2,), (0.8,), width=10, kind="mass") == (1, 4)
+    # A checkpoint at or past the last drafted depth never prunes.
+    assert pruned_depth(lp, (3, 5), (1.0, 1.0), width=1, kind="best") == (2, 4)

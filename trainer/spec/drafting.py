@@ -11,6 +11,7 @@ verification) and a tree builder asks it for drafts. A session says which target
 - :class:`SpecBlockSession`: SpecBlock blocks launched from the root and from pending leaves (§5).
 - :class:`RecyclingSession`: no drafter; a Token-Recycling adjacency matrix learnt from the target's
   logits at every verified node and prompt position (docs/algorithms.md §8).
+- :class:`GraftSession`: an EAGLE-3 or DFlash session plus a shared recycling matrix to graft from (§7).
 
 On CPU, with the shipped tiny models::
 
@@ -174,6 +175,32 @@ class RecyclingSession(DraftSession):
         super().__init__()
         # Shape: (V, width); -1 = no successor seen yet.
         self.adjacency = torch.full((vocab_size, width), -1, dtype=torch.long, device=device)
+        # The published snapshot the matrix was last loaded from (None: learnt in this process only).
+        self.version: int | None = None
+
+    def set_adjacency(self, adjacency: torch.Tensor, version: int) -> bool:
+        """Hot-reload a published matrix (Shape: (V, k) ids, -1 empty) between steps; False if ``version`` is not
+        newer than the loaded one. The snapshot's non-empty rows replace ours; rows it lacks keep what this
+        process learnt since. Its width becomes ours (the retrieval template follows ``adjacency.shape[1]``)."""
+        if self.version is not None and version <= self.version:
+            return False
+        vocab_size = self.adjacency.shape[0]
+        if adjacency.dim() != 2 or adjacency.shape[0] != vocab_size or adjacency.is_floating_point():
+            raise UserError(
+                f"adjacency version {version}: expected integer ids of shape ({vocab_size}, k), "
+                f"got {adjacency.dtype} {tuple(adjacency.shape)}"
+            )
+        new = adjacency.to(device=self.adjacency.device, dtype=torch.long)
+        if new.numel() and (int(new.max()) >= vocab_size or int(new.min()) < -1):
+            raise UserError(f"adjacency version {version}: token ids outside [-1, {vocab_size})")
+        width = new.shape[1]
+        local = self.adjacency[:, :width]
+        if local.shape[1] < width:
+            local = F.pad(local, (0, width - local.shape[1]), value=-1)
+        empty = (new < 0).all(-1, keepdim=True)
+        self.adjacency = torch.where(empty, local, new)
+        self.version = version
+        return True
 
     def _learn(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """``adjacency[tokens[i]] = top-width(logits[i])``; a token seen twice keeps its last row."""
@@ -190,6 +217,42 @@ class RecyclingSession(DraftSession):
 
     def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:
         self._learn(tree.tokens.to(logits.device), logits)
+
+
+class GraftSession(DraftSession):
+    """Graft (docs/algorithms.md §7): a drafter's session for this request plus an adjacency matrix ``M`` shared
+    across requests (a :class:`RecyclingSession`, which learns ``M`` from the target's logits at every prompt
+    position and verified node, and hot-reloads published versions). The builder drafts with ``draft`` and
+    fills the budget that pruning frees from ``memory.adjacency``."""
+
+    needs_prompt_logits = True
+
+    def __init__(self, draft: ContextSession, memory: RecyclingSession) -> None:
+        self.draft = draft
+        self.memory = memory
+        self.layer_ids = draft.layer_ids
+        # Per pruning stage (the checkpoints, then "not pruned"), how many steps ended there.
+        self.stages: dict[int, int] = {}
+
+    @property
+    def forwards(self) -> int:
+        return self.draft.forwards
+
+    @property
+    def adjacency(self) -> torch.Tensor:
+        return self.memory.adjacency
+
+    def set_adjacency(self, adjacency: torch.Tensor, version: int) -> bool:
+        """Hot-reload a published ``M`` between steps (:meth:`RecyclingSession.set_adjacency`)."""
+        return self.memory.set_adjacency(adjacency, version)
+
+    def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
+        self.draft.start(prompt, features, logits)
+        self.memory.start(prompt, features, logits)
+
+    def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:
+        self.draft.commit(tokens, features, tree, logits)
+        self.memory.commit(tokens, features, tree, logits)
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

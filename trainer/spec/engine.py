@@ -36,6 +36,7 @@ from trainer.spec.drafting import (
     BlockDraftSession,
     DraftSession,
     Eagle3Session,
+    GraftSession,
     RecyclingSession,
     SpecBlockSession,
     TreeFlashSession,
@@ -46,9 +47,13 @@ from trainer.spec.tree import (
     best_subtree,
     chain,
     ddtree,
+    frontier_confidence,
+    merge_trie,
+    pruned_depth,
     recycling_template,
     retrieval,
     root_only,
+    template_by_prior,
     treeflash,
 )
 from trainer.spec.verify import GREEDY, Sampling, accept, compact_cache, tree_attention_mask
@@ -84,6 +89,8 @@ class TreeBuilder:
     # The session kind the builder drafts with.
     session: type[DraftSession]
     build: Callable[[DraftSession, int, int, int, Clock, TreeOptions], Tree]
+    # For a GraftSession: the builder whose session does the drafting inside it.
+    drafts_like: str | None = None
 
 
 def _chain(
@@ -128,7 +135,23 @@ def _recycling(
 def _eagle(session: Eagle3Session, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions) -> Tree:
     """EAGLE-2: expand the ``eagle_top_k`` best frontier nodes by cumulative log-prob, one drafter forward per
     depth, recording every node's top-k children; the tree is the ``budget`` best recorded candidates."""
+    tokens, parents, scores, _ = _eagle_candidates(session, root, max_depth, clock, options, prune=False)
+    with clock("tree"):
+        return best_subtree(tokens, parents, scores, root, budget)
+
+
+def _eagle_candidates(
+    session: Eagle3Session, root: int, max_depth: int, clock: Clock, options: TreeOptions, prune: bool
+) -> tuple[list[int], list[int], list[float], int]:
+    """EAGLE-2's recorded candidates ``(tokens, parents, scores)`` and the Graft stage that ended drafting.
+
+    With ``prune``, before each forward that would draft below a checkpoint ``d`` of ``graft_checkpoints``, the
+    frontier (the beam at depth ``d + 1``) is judged by ``frontier_confidence``; below the stage's threshold,
+    drafting stops there. The stage is the index of the checkpoint that pruned, ``len(graft_checkpoints)`` if
+    none did."""
     k = options.eagle_top_k
+    checkpoints = options.graft_checkpoints if prune else ()
+    stage = len(options.graft_checkpoints)
     with clock("draft"):
         context_out = session.enter_context(root)
         logprobs = session.logprobs(context_out)
@@ -142,7 +165,14 @@ def _eagle(session: Eagle3Session, root: int, budget: int, max_depth: int, clock
         slots: dict[int, int] = {}
     for depth in range(1, min(options.eagle_depth, max_depth)):
         with clock("tree"):
-            # Frontier nodes sit at `depth`; entering them drafts depth + 1.
+            # Frontier nodes sit at `depth`; entering them drafts depth + 1. Checkpoint d judges depth d + 1.
+            if depth - 1 in checkpoints:
+                at = checkpoints.index(depth - 1)
+                parent_scores = [scores[parents[n]] if parents[n] >= 0 else 0.0 for n in frontier]
+                confidence = frontier_confidence([scores[n] for n in frontier], parent_scores, options.graft_confidence)
+                if confidence < options.graft_thresholds[at]:
+                    stage = at
+                    break
             visible = torch.zeros(len(frontier), len(slots), dtype=torch.bool, device=context_out.device)
             for row, node in enumerate(frontier):
                 ancestor = parents[node]
@@ -169,8 +199,55 @@ def _eagle(session: Eagle3Session, root: int, budget: int, max_depth: int, clock
             frontier = sorted(first + int(i) for i in best)
     with clock("draft"):
         session.drop_tree()
+    return tokens, parents, scores, stage
+
+
+def _draft_budget(budget: int, stage: int, options: TreeOptions) -> int:
+    """Drafted nodes kept at a Graft stage: the stage's share, or the whole budget without retrieval."""
+    return round(budget * options.graft_draft_share[stage]) if options.graft_retrieval else budget
+
+
+def _graft_retrieval(
+    session: GraftSession, draft: Tree, stage: int, budget: int, max_depth: int, options: TreeOptions
+) -> Tree:
+    """Fill the budget the drafted tree left with the retrieval template from ``M``, merged as a trie.
+
+    The template is Token Recycling's prior order, long enough that the retrieval paths that collapse into
+    drafted ones (at most ``draft.size``) and those ``M`` cannot fill are made up by further paths; the tree
+    falls short of ``budget`` only when the rows of ``M`` it reaches hold too few distinct successors."""
+    session.stages[stage] = session.stages.get(stage, 0) + 1
+    if not options.graft_retrieval:
+        return draft
+    adjacency = session.adjacency
+    paths = template_by_prior(
+        2 * budget + draft.size, adjacency.shape[1], options.recycling_decay, options.recycling_max_depth
+    )
+    template = [p for p in paths if len(p) <= max_depth]
+    return merge_trie(draft, retrieval(adjacency, draft.tokens[0].item(), template), budget)
+
+
+def _graft(session: GraftSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions) -> Tree:
+    """Graft over EAGLE-3: EAGLE-2's tree pruned in depth at the checkpoints, the stage's share of the budget
+    kept for its best candidates, the rest grafted from ``M`` (docs/algorithms.md §7)."""
+    tokens, parents, scores, stage = _eagle_candidates(session.draft, root, max_depth, clock, options, prune=True)
     with clock("tree"):
-        return best_subtree(tokens, parents, scores, root, budget)
+        draft = best_subtree(tokens, parents, scores, root, _draft_budget(budget, stage, options))
+        return _graft_retrieval(session, draft, stage, budget, max_depth, options)
+
+
+def _graft_dflash(
+    session: GraftSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions
+) -> Tree:
+    """Graft over DFlash: one block forward's marginals, DDTree limited to the depth the checkpoints allow
+    (frontiers of ``eagle_top_k`` tokens, so both variants judge frontiers of one width), the rest from ``M``."""
+    with clock("draft"):
+        logprobs = session.draft.depth_logits(root, min(max_depth, budget)).log_softmax(-1)
+    with clock("tree"):
+        stage, depth = pruned_depth(
+            logprobs, options.graft_checkpoints, options.graft_thresholds, options.eagle_top_k, options.graft_confidence
+        )
+        draft = ddtree(logprobs[:depth], root, _draft_budget(budget, stage, options))
+        return _graft_retrieval(session, draft, stage, budget, max_depth, options)
 
 
 @dataclass
@@ -268,20 +345,38 @@ BUILDERS: dict[str, TreeBuilder] = {
         TreeBuilder("recycling", RecyclingSession, _recycling),
         TreeBuilder("eagle", Eagle3Session, _eagle),
         TreeBuilder("specblock", SpecBlockSession, _specblock),
+        TreeBuilder("graft", GraftSession, _graft, drafts_like="eagle"),
+        TreeBuilder("graft-dflash", GraftSession, _graft_dflash, drafts_like="ddtree"),
         TreeBuilder("none", DraftSession, _none),
     )
 }
 
 
 def make_session(
-    tree: str, target: PreTrainedModel, drafter: torch.nn.Module | None, options: TreeOptions = DEFAULT_OPTIONS
+    tree: str,
+    target: PreTrainedModel,
+    drafter: torch.nn.Module | None,
+    options: TreeOptions = DEFAULT_OPTIONS,
+    memory: RecyclingSession | None = None,
 ) -> DraftSession:
-    """A fresh session for one request with builder ``tree``; a clear error when the drafter cannot serve it."""
+    """A fresh session for one request with builder ``tree``; a clear error when the drafter cannot serve it.
+
+    ``memory``: the adjacency matrix a Graft session grafts from, kept across requests by the caller (a fresh,
+    empty one if None)."""
     if tree not in BUILDERS:
         raise UserError(f"unknown tree builder {tree!r}; choose from {sorted(BUILDERS)}")
-    need = BUILDERS[tree].session
+    builder = BUILDERS[tree]
+    need = builder.session
     if need is RecyclingSession:
         return RecyclingSession(target.config.vocab_size, options.recycling_width, device=target.device)
+    if need is GraftSession:
+        try:
+            draft = make_session(builder.drafts_like, target, drafter, options)
+        except UserError as e:
+            raise UserError(f"tree builder {tree!r} drafts as {builder.drafts_like!r} does: {e}") from None
+        if memory is None:
+            memory = RecyclingSession(target.config.vocab_size, options.recycling_width, device=target.device)
+        return GraftSession(draft, memory)
     if need is DraftSession:
         return DraftSession()
     if drafter is None:

@@ -1,7 +1,8 @@
 """Tree hyperparameters: what `trainer eval --tree-opt KEY=VALUE` and the server pass to the tree builders.
 
-Defaults are the reference settings of each builder (docs/algorithms.md): TreeFlash's stage-one/stage-two widths
-(§4), EAGLE-2's dynamic tree (§6), SpecBlock's growth (§5) and the Token-Recycling template (§8). Budgets
+Defaults are the reference settings of each builder (docs/algorithms.md): TreeFlash's stage-one/stage-two
+widths (§4), EAGLE-2's dynamic tree (§6), SpecBlock's growth (§5), the Token-Recycling template (§8) and
+Graft's pruning and budget split (§7; ours to choose, the paper publishes neither). Budgets
 are not here: every builder takes its node budget per step, so a controller can change it between steps.
 
     python -c "from trainer.spec.options import TreeOptions; print(TreeOptions.parse(['eagle_top_k=8']))"
@@ -15,6 +16,9 @@ import typing
 from dataclasses import dataclass
 
 from trainer.errors import UserError
+from trainer.spec.tree import CONFIDENCES
+
+BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,17 @@ class TreeOptions:
     recycling_width: int = 8
     recycling_decay: float = 0.5
     recycling_max_depth: int = 6
+    # Graft (docs/algorithms.md §7): checkpoint depths d (ascending); at checkpoint d the frontier of depth d + 1 is
+    # kept, and drafting goes deeper only if its confidence reaches the stage's threshold.
+    graft_checkpoints: tuple[int, ...] = (0, 1, 5)
+    graft_thresholds: tuple[float, ...] = (0.5, 0.4, 0.2)
+    # Graft: the frontier confidence, one of trainer.spec.tree.CONFIDENCES (see frontier_confidence).
+    graft_confidence: str = "mass"
+    # Graft: the budget share kept for drafted nodes per stage (a pruning checkpoint, then "not pruned"); the
+    # rest goes to the retrieval template from the adjacency matrix, and fills whatever the draft leaves.
+    graft_draft_share: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+    # Graft: graft retrieval at all (false: the pruned drafter tree alone, with the whole budget).
+    graft_retrieval: bool = True
 
     def __post_init__(self) -> None:
         positive = ("treeflash_top_k", "eagle_top_k", "eagle_depth", "specblock_rounds", "specblock_blocks_per_round",
@@ -49,10 +64,26 @@ class TreeOptions:
             raise UserError(f"tree option specblock_branch takes 4 widths >= 0, got {self.specblock_branch}")
         if not 0.0 < self.recycling_decay < 1.0:
             raise UserError(f"tree option recycling_decay must lie in (0, 1), got {self.recycling_decay}")
+        checkpoints = self.graft_checkpoints
+        if not checkpoints or min(checkpoints) < 0 or list(checkpoints) != sorted(set(checkpoints)):
+            raise UserError(f"tree option graft_checkpoints takes ascending depths >= 0, got {checkpoints}")
+        if len(self.graft_thresholds) != len(checkpoints):
+            raise UserError(
+                f"tree option graft_thresholds takes one threshold per checkpoint ({len(checkpoints)}), "
+                f"got {self.graft_thresholds}"
+            )
+        if len(self.graft_draft_share) != len(checkpoints) + 1 or not all(0 <= v <= 1 for v in self.graft_draft_share):
+            raise UserError(
+                f"tree option graft_draft_share takes {len(checkpoints) + 1} shares in [0, 1] (one per checkpoint, "
+                f"then one for an unpruned tree), got {self.graft_draft_share}"
+            )
+        if self.graft_confidence not in CONFIDENCES:
+            raise UserError(f"tree option graft_confidence must be one of {CONFIDENCES}, got {self.graft_confidence!r}")
 
     @classmethod
     def parse(cls, items: list[str]) -> TreeOptions:
-        """``["eagle_top_k=8", "specblock_branch=2,4,10,0"]`` → options; a bad key or value names itself."""
+        """``["eagle_top_k=8", "specblock_branch=2,4,10,0", "graft_retrieval=false"]`` → options; a bad key or
+        value names itself."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
         hints = typing.get_type_hints(cls)
         values: dict[str, object] = {}
@@ -70,9 +101,14 @@ def _convert(key: str, text: str, hint: object) -> object:
     kind = next(k for k in typing.get_args(hint) if k is not type(None)) if optional else hint
     try:
         if typing.get_origin(kind) is tuple:
-            return tuple(int(v) for v in text.split(",") if v.strip())
+            item = typing.get_args(kind)[0]
+            return tuple(item(v) for v in text.split(",") if v.strip())
         if optional and text.lower() == "none":
             return None
+        if kind is bool:
+            if text.lower() not in BOOLEANS:
+                raise ValueError(text)
+            return BOOLEANS[text.lower()]
         return kind(text)  # type: ignore[operator]
     except ValueError:
         raise UserError(f"tree option {key}={text!r}: not a valid {getattr(kind, '__name__', kind)}") from None

@@ -221,6 +221,14 @@ def recycling_template(
     probability ``(1 - decay) * decay**r`` at any depth, so the template is wide near the root and thin deep
     down, like Token Recycling's hand-made 80-node tree (8/21/25/15/8/3 nodes per depth).
     """
+    return tuple(sorted(template_by_prior(budget, width, decay, max_depth), key=lambda p: (len(p), p)))
+
+
+@functools.cache
+def template_by_prior(budget: int, width: int, decay: float, max_depth: int) -> tuple[tuple[int, ...], ...]:
+    """:func:`recycling_template`'s paths in the order the prior ranks them, best first. Every prefix of this
+    order is the template of that size, and parents come before their children (a child's prior is its
+    parent's times a factor below 1), so a consumer may stop anywhere and still hold a tree."""
     log_p = [math.log((1 - decay) * decay**r) for r in range(width)]
     paths: list[tuple[int, ...]] = []
     heap = [(-log_p[0], (0,))]
@@ -232,7 +240,7 @@ def recycling_template(
             heapq.heappush(heap, (neg + log_p[path[-1]] - log_p[path[-1] + 1], (*path[:-1], path[-1] + 1)))
         if len(path) < max_depth:
             heapq.heappush(heap, (neg - log_p[0], (*path, 0)))
-    return tuple(sorted(paths, key=lambda p: (len(p), p)))
+    return tuple(paths)
 
 
 def retrieval(adjacency: torch.Tensor, root: int, template: Sequence[tuple[int, ...]]) -> Tree:
@@ -276,3 +284,85 @@ def best_subtree(tokens: list[int], parents: list[int], scores: list[float], roo
     if any(parents[c] >= 0 and parents[c] not in index for c in chosen):
         raise ValueError("a candidate scores above its parent: scores must be cumulative log-probs")
     return Tree.from_lists([root, *(tokens[c] for c in chosen)], [-1, *(index.get(parents[c], 0) for c in chosen)])
+
+
+# ---- Graft: dynamic-depth pruning, then retrieval grafted into the freed budget (docs/algorithms.md §7) ----
+CONFIDENCES = ("mass", "best", "top1")
+
+
+def frontier_confidence(scores: Sequence[float], parent_scores: Sequence[float], kind: str) -> float:
+    """Confidence ``c_d`` of a drafter's frontier: should drafting go one depth further?
+
+    ``scores`` are the frontier nodes' cumulative path log-probs under the drafter, ``parent_scores`` their
+    parents'. Kinds:
+
+    - ``mass``: ``Σ exp(score)``, the drafter's probability that the accepted path reaches some frontier node;
+      drafting deeper can only pay off on that event, so it bounds the gain of the next forward.
+    - ``best``: ``max exp(score)``, the probability of the single best path.
+    - ``top1``: ``max exp(score - parent score)``, the most confident next-token probability at this depth,
+      blind to how unlikely the prefix already is.
+    """
+    if not scores:
+        return 0.0
+    if kind == "mass":
+        return math.exp(torch.tensor(scores, dtype=torch.float64).logsumexp(0).item())
+    if kind == "best":
+        return math.exp(max(scores))
+    if kind == "top1":
+        return math.exp(max(s - p for s, p in zip(scores, parent_scores, strict=True)))
+    raise ValueError(f"unknown frontier confidence {kind!r}; choose from {CONFIDENCES}")
+
+
+def ddtree_frontier(logprobs: torch.Tensor, depth: int, width: int) -> tuple[list[float], list[float]]:
+    """The frontier at depth ``depth + 1`` of a tree grown from per-depth marginals (Shape: (D, V)): the greedy
+    path through depth ``depth`` extended by the ``width`` best tokens of depth ``depth + 1``. Returns the
+    frontier's path scores and their parents' (all the greedy prefix's), as :func:`frontier_confidence` takes."""
+    prefix = logprobs[:depth].max(-1).values.sum().item() if depth else 0.0
+    top = logprobs[depth].topk(min(width, logprobs.shape[-1])).values.tolist()
+    return [prefix + v for v in top], [prefix] * len(top)
+
+
+def pruned_depth(
+    logprobs: torch.Tensor, checkpoints: Sequence[int], thresholds: Sequence[float], width: int, kind: str
+) -> tuple[int, int]:
+    """Dynamic-depth pruning of a tree grown from per-depth marginals (Shape: (D, V), row ``d`` = depth
+    ``d + 1``): at checkpoint ``d`` (ascending) the frontier at depth ``d + 1`` is kept but nothing deeper when its
+    confidence is below ``thresholds[s]``. Returns ``(stage, depth limit)``: the checkpoint index that pruned, or
+    ``len(checkpoints)`` when none did (limit = every depth)."""
+    depth_count = logprobs.shape[0]
+    for stage, (d, threshold) in enumerate(zip(checkpoints, thresholds, strict=True)):
+        if d + 1 >= depth_count:
+            break
+        scores, parents = ddtree_frontier(logprobs, d, width)
+        if frontier_confidence(scores, parents, kind) < threshold:
+            return stage, d + 1
+    return len(checkpoints), depth_count
+
+
+def merge_trie(base: Tree, extra: Tree, budget: int) -> Tree:
+    """Graft ``extra`` (same root) into ``base`` as a trie, appending new nodes until ``budget`` draft nodes.
+
+    ``base`` is kept whole. ``extra``'s nodes are taken in its own (topological) order: a node whose token
+    already is a child of its mapped parent collapses into that child and costs nothing; any other node is
+    appended, while the size is below ``budget``. A node whose parent was not taken is skipped with its subtree.
+    So the result has ``min(budget, |base ∪ extra|)`` nodes, no duplicate siblings, parents before children,
+    and extra's nodes beyond the first that fit are exactly the fill that replaces collapsed ones.
+    """
+    if int(extra.tokens[0]) != int(base.tokens[0]):
+        raise ValueError(f"cannot merge trees with different roots {int(base.tokens[0])} and {int(extra.tokens[0])}")
+    tokens, parents = base.tokens.tolist(), base.parents.tolist()
+    children = base.children()
+    mapped = [0] + [-1] * extra.size
+    for i, (parent, token) in enumerate(zip(extra.parents.tolist()[1:], extra.tokens.tolist()[1:], strict=True), 1):
+        at = mapped[parent]
+        if at < 0:
+            continue
+        if token in children[at]:
+            mapped[i] = children[at][token]
+        elif len(tokens) <= budget:
+            mapped[i] = len(tokens)
+            children[at][token] = len(tokens)
+            children.append({})
+            tokens.append(token)
+            parents.append(at)
+    return Tree.from_lists(tokens, parents)
