@@ -134,3 +134,55 @@ def test_eval_bad_arguments_fail_in_one_line(setup, capsys, tmp_path, args, expe
 def test_eval_missing_required_argument(capsys, tmp_path):
     err = run_expecting_error(capsys, "--out", str(tmp_path / "o"))
     assert "the following arguments are required: --prompts" in err and len(err.strip().splitlines()) == 1
+
+
+def publish_adjacency(root, version: int, adjacency) -> None:
+    """A snapshot in the published layout: ``root/vNNNNNN/adjacency.safetensors`` named by ``root/current``."""
+    from safetensors.torch import save_file
+
+    directory = root / f"v{version:06d}"
+    directory.mkdir(parents=True)
+    save_file({"adjacency": adjacency}, str(directory / "adjacency.safetensors"))
+    (directory / "manifest.json").write_text(json.dumps({"version": version}))
+    (root / "current").write_text(directory.name + "\n")
+
+
+def test_eval_starts_graft_warm_from_a_published_snapshot(setup, capsys, tmp_path):
+    import torch
+
+    from trainer.evaluate import refresh_adjacency
+    from trainer.spec.drafting import RecyclingSession
+
+    vocab = json.loads((setup / "target" / "config.json").read_text())["vocab_size"]
+    publish = tmp_path / "publish"
+    adjacency = torch.randint(0, vocab, (vocab, 4), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    publish_adjacency(publish, 1, adjacency)
+    out = tmp_path / "out"
+    main(["eval", "--drafter", str(setup / "dflash"), "--target", str(setup / "target"),
+          "--prompts", str(setup / "prompts.jsonl"), "--tree", "recycling,graft-dflash", "--budget", "8",
+          "--max-new-tokens", "10", "--out", str(out), "--check-lossless", "--ignore-eos", "--adjacency", str(publish),
+          "--tree-opt", "graft_thresholds=1.1,1.1,1.1"])  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["adjacency_version"] == 1
+    run = summary["conditions"]["greedy"]["runs"]["graft-dflash"]["8"]
+    # Pruned at the root every step, so all but 2 of the 8 nodes come from the published matrix.
+    assert run["lossless"] is True and run["mean_tree_size"] == 8.0
+
+    # Between requests, a newer snapshot replaces the loaded one; an older or equal one does not.
+    memory = RecyclingSession(vocab, width=4)
+    refresh_adjacency(memory, publish)
+    assert memory.version == 1 and torch.equal(memory.adjacency, adjacency.long())
+    publish_adjacency(publish, 2, adjacency.flip(-1))
+    refresh_adjacency(memory, publish)
+    assert memory.version == 2 and torch.equal(memory.adjacency, adjacency.flip(-1).long())
+
+    (publish / "current").write_text("latest\n")
+    err = run_expecting_error(capsys, "--drafter", str(setup / "dflash"), "--target", str(setup / "target"),
+                              "--prompts", str(setup / "prompts.jsonl"), "--tree", "graft-dflash",
+                              "--adjacency", str(publish), "--out", str(tmp_path / "o"))  # fmt: skip
+    assert "not a version directory" in err
+    publish_adjacency(publish, 3, torch.full((vocab, 4), vocab))
+    err = run_expecting_error(capsys, "--drafter", str(setup / "dflash"), "--target", str(setup / "target"),
+                              "--prompts", str(setup / "prompts.jsonl"), "--tree", "graft-dflash",
+                              "--adjacency", str(publish), "--out", str(tmp_path / "o"))  # fmt: skip
+    assert "outside" in err and "version 3" in err

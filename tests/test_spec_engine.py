@@ -15,9 +15,16 @@ from trainer.drafters.eagle3 import build_config as eagle3_config
 from trainer.drafters.specblock import SpecBlockDraftModel
 from trainer.drafters.specblock import build_config as specblock_config
 from trainer.drafters.treeflash import TreeFlashDraftModel
-from trainer.spec.drafting import load_drafter
+from trainer.errors import UserError
+from trainer.spec.drafting import RecyclingSession, load_drafter
 from trainer.spec.engine import BUILDERS, generate, make_session
+from trainer.spec.options import TreeOptions
+from trainer.spec.tree import Tree
 from trainer.spec.verify import Sampling
+
+# Graft pruned at its first checkpoint every step: one drafter forward, a quarter of the budget drafted, the
+# rest grafted from the adjacency matrix.
+ALWAYS_PRUNE = TreeOptions(graft_thresholds=(1.1, 1.1, 1.1))
 
 DFLASH_TINY = ROOT / "checkpoints" / "dflash_tiny"
 
@@ -54,7 +61,8 @@ def greedy_references(shipped):
 
 
 @pytest.mark.parametrize(
-    "tree,budget", [("none", 0), ("chain", 64), ("ddtree", 16), ("treeflash", 24), ("recycling", 32)]
+    "tree,budget",
+    [("none", 0), ("chain", 64), ("ddtree", 16), ("treeflash", 24), ("recycling", 32), ("graft-dflash", 32)],
 )
 def test_greedy_is_lossless_for_every_builder(shipped, greedy_references, tree, budget):
     target, dflash, treeflash, prompts = shipped
@@ -89,6 +97,55 @@ def test_eagle_greedy_is_lossless(shipped, greedy_references):
                 remaining -= step.committed
             # One forward enters the context, then one per depth up to EAGLE's 7.
             assert out.steps[0].forwards == 7
+
+
+def test_graft_greedy_is_lossless(shipped, greedy_references):
+    """Graft over a random EAGLE-3 drafter, unpruned (the threshold 0 never prunes) and pruned at the root
+    every step, with one adjacency matrix learnt across the prompts."""
+    target, _, _, prompts = shipped
+    torch.manual_seed(0)
+    drafter = Eagle3DraftModel(eagle3_config(target.config, draft_vocab_size=512)).eval()
+    never = TreeOptions(graft_thresholds=(0.0, 0.0, 0.0))
+    for options in (never, ALWAYS_PRUNE):
+        memory = RecyclingSession(target.config.vocab_size)
+        sizes = []
+        for prompt, reference in zip(prompts[:4], greedy_references, strict=False):
+            session = make_session("graft", target, drafter, options, memory)
+            out = generate(target, session, BUILDERS["graft"], prompt, 32, 32, options=options)
+            assert out.tokens == reference[:32]
+            assert all(s.tree_size <= 32 for s in out.steps)
+            sizes += [s.tree_size for s in out.steps]
+            if options is ALWAYS_PRUNE:
+                assert all(s.forwards == 1 for s in out.steps)
+                # Every step but a last one with a single token left (no checkpoint to reach) pruned at d0.
+                assert session.stages[0] >= len(out.steps) - 1
+            else:
+                assert out.steps[0].forwards == 7 and out.steps[0].tree_size == 32
+        # Retrieval fills the budget unless the matrix rows it reaches are still empty.
+        assert sum(sizes) / len(sizes) > 0.8 * 32
+        assert (memory.adjacency[:, 0] >= 0).sum() > 100, "the matrix did not learn from verified nodes"
+
+
+def test_set_adjacency_overlays_newer_versions():
+    memory = RecyclingSession(6, width=2)
+    memory.adjacency[1] = torch.tensor([2, 3])
+    memory.adjacency[4] = torch.tensor([5, 0])
+    published = torch.full((6, 3), -1, dtype=torch.int32)
+    published[1] = torch.tensor([4, 5, -1], dtype=torch.int32)
+    published[2] = torch.tensor([1, -1, -1], dtype=torch.int32)
+    assert memory.set_adjacency(published, version=3)
+    # The snapshot's rows win; a row it lacks keeps what was learnt here; its width becomes ours.
+    assert memory.adjacency.tolist() == [[-1, -1, -1], [4, 5, -1], [1, -1, -1], [-1, -1, -1], [5, 0, -1], [-1] * 3]
+    assert memory.adjacency.dtype == torch.long and memory.version == 3
+    assert not memory.set_adjacency(torch.zeros(6, 3, dtype=torch.long), version=3)
+    assert memory.adjacency[0, 0] == -1
+    with pytest.raises(UserError, match=r"shape \(6, k\)"):
+        memory.set_adjacency(torch.zeros(5, 3, dtype=torch.long), version=4)
+    with pytest.raises(UserError, match="outside"):
+        memory.set_adjacency(torch.full((6, 3), 6), version=4)
+    # Learning goes on over a loaded matrix.
+    memory.commit([], None, Tree.from_lists([3], [-1]), torch.tensor([[0.1, 0.0, 0.0, 0.0, 1.0, 2.0]]))
+    assert memory.adjacency[3].tolist() == [5, 4, 0]
 
 
 def test_specblock_greedy_is_lossless(shipped, greedy_references):
@@ -139,7 +196,7 @@ def small_vocab():
     eagle = Eagle3DraftModel(eagle3_config(config, draft_vocab_size=12)).eval()
     specblock = SpecBlockDraftModel(specblock_config(config, target_layer_ids=[0, 1, 2])).eval()
     drafters = {"chain": dflash, "ddtree": dflash, "recycling": None, "treeflash": treeflash, "eagle": eagle}
-    return target, {**drafters, "specblock": specblock}
+    return target, {**drafters, "specblock": specblock, "graft": eagle, "graft-dflash": dflash}
 
 
 def exact_marginals(target, prompt: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,17 +214,19 @@ def exact_marginals(target, prompt: torch.Tensor, sampling: Sampling) -> tuple[t
 
 
 @pytest.mark.parametrize(
-    "tree,sampling",
+    "tree,sampling,options",
     [
-        ("chain", Sampling(temperature=1.0)),
-        ("ddtree", Sampling(temperature=0.7, top_k=6)),
-        ("treeflash", Sampling(temperature=1.0, top_p=0.9)),
-        ("recycling", Sampling(temperature=1.0)),
-        ("eagle", Sampling(temperature=1.0)),
-        ("specblock", Sampling(temperature=1.0)),
+        ("chain", Sampling(temperature=1.0), TreeOptions()),
+        ("ddtree", Sampling(temperature=0.7, top_k=6), TreeOptions()),
+        ("treeflash", Sampling(temperature=1.0, top_p=0.9), TreeOptions()),
+        ("recycling", Sampling(temperature=1.0), TreeOptions()),
+        ("eagle", Sampling(temperature=1.0), TreeOptions()),
+        ("specblock", Sampling(temperature=1.0), TreeOptions()),
+        ("graft", Sampling(temperature=1.0), ALWAYS_PRUNE),
+        ("graft-dflash", Sampling(temperature=0.7), ALWAYS_PRUNE),
     ],
 )
-def test_sampling_follows_the_target_distribution(small_vocab, tree, sampling):
+def test_sampling_follows_the_target_distribution(small_vocab, tree, sampling, options):
     target, drafters = small_vocab
     drafter = drafters[tree]
     prompt = torch.tensor([1, 5, 2, 7])
@@ -177,7 +236,8 @@ def test_sampling_follows_the_target_distribution(small_vocab, tree, sampling):
     accepted = 0
     gen = torch.Generator().manual_seed(0)
     for _ in range(800):
-        out = generate(target, make_session(tree, target, drafter), BUILDERS[tree], prompt, 3, 8, sampling, gen)
+        session = make_session(tree, target, drafter, options)
+        out = generate(target, session, BUILDERS[tree], prompt, 3, 8, sampling, gen, options=options)
         counts2[out.tokens[1]] += 1
         counts3[out.tokens[2]] += 1
         accepted += out.steps[0].accepted

@@ -30,10 +30,11 @@ from rich.console import Console
 from rich.progress import Progress
 from transformers import AutoTokenizer, PreTrainedModel
 
+from trainer.adapt.publish import load_adjacency, read_current
 from trainer.errors import ArgumentParser, UserError
 from trainer.io import write_text_atomic
 from trainer.paths import project_path
-from trainer.spec.drafting import RecyclingSession, load_drafter
+from trainer.spec.drafting import GraftSession, RecyclingSession, load_drafter
 from trainer.spec.engine import BUILDERS, DEFAULT_OPTIONS, Generation, generate, make_session
 from trainer.spec.options import TreeOptions
 from trainer.spec.verify import Sampling
@@ -104,6 +105,13 @@ def parse_device(text: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {text}: CUDA is not available on this machine")
     return device
+
+
+def refresh_adjacency(memory: RecyclingSession, publish_dir: Path) -> None:
+    """Load the published snapshot into ``memory`` if it is newer than the one ``memory`` holds."""
+    current = read_current(publish_dir)
+    if current is not None and (memory.version is None or current[0] > memory.version):
+        memory.set_adjacency(load_adjacency(current[1]), current[0])
 
 
 def parse_list(text: str, kind: type, name: str) -> list:
@@ -184,12 +192,24 @@ def evaluate(
     options: TreeOptions = DEFAULT_OPTIONS,
     log: LogWriter | None = None,
     drafter_name: str | None = None,
+    publish_dir: Path | None = None,
 ) -> dict:
     """Every (condition, tree, budget) over every prompt, with plain decoding beside it. The summary dict.
-    With ``log``, every measured speculative run writes its verifier log (request id ``cond/tree/budget/id``)."""
+    With ``log``, every measured speculative run writes its verifier log (request id ``cond/tree/budget/id``).
+
+    ``publish_dir``: Token Recycling and Graft start from its current adjacency snapshot and load every newer
+    one that appears between requests."""
     runs = [(c, t, b) for c in conditions for t in trees for b in budgets]
-    # Token Recycling keeps its adjacency matrix across requests ("hot start"): one session per run.
-    recycling: dict[tuple, RecyclingSession] = {}
+    # Token Recycling and Graft keep their adjacency matrix across requests ("hot start"): one per run.
+    memories: dict[tuple, RecyclingSession] = {}
+
+    def memory(key: tuple) -> RecyclingSession:
+        if key not in memories:
+            memories[key] = RecyclingSession(target.config.vocab_size, options.recycling_width, target.device)
+        if publish_dir is not None:
+            refresh_adjacency(memories[key], publish_dir)
+        return memories[key]
+
     per_prompt: dict[tuple, list[dict]] = {key: [] for key in runs}
     totals: dict[tuple, Totals] = {key: Totals() for key in runs}
     baseline = {c: Totals() for c in conditions}
@@ -198,7 +218,9 @@ def evaluate(
     def run(cond: str, tree: str, budget: int, i: int, logged: bool = False) -> Generation:
         key = (cond, tree, budget)
         if tree == "recycling":
-            session = recycling.setdefault(key, make_session(tree, target, drafter, options))
+            session = memory(key)
+        elif BUILDERS[tree].session is GraftSession:
+            session = make_session(tree, target, drafter, options, memory(key))
         else:
             session = make_session(tree, target, drafter, options)
         gen = torch.Generator(device=target.device).manual_seed(seed + i)
@@ -219,7 +241,7 @@ def evaluate(
     # Warm-up outside the measurement: allocator, kernels, lazy imports.
     for tree in trees:
         run(next(iter(conditions)), tree, budgets[0], 0)
-    recycling.clear()
+    memories.clear()
 
     with Progress(transient=True) as progress:
         task = progress.add_task("decoding", total=len(prompts) * (len(runs) + len(conditions)))
@@ -341,7 +363,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="a tree hyperparameter, repeatable: treeflash_top_m, treeflash_top_k, eagle_top_k, eagle_depth, "
         "specblock_branch (4 widths: 2,4,10,0), specblock_rounds, specblock_blocks_per_round, recycling_width, "
-        "recycling_decay, recycling_max_depth (trainer/spec/options.py)",
+        "recycling_decay, recycling_max_depth, graft_checkpoints (0,1,5), graft_thresholds (0.5,0.4,0.2), "
+        "graft_confidence (mass|best|top1), graft_draft_share (0.25,0.5,0.75,1), graft_retrieval "
+        "(trainer/spec/options.py)",
+    )
+    p.add_argument(
+        "--adjacency",
+        type=Path,
+        metavar="PUBLISH_DIR",
+        help="start recycling and graft warm from the adjacency snapshot PUBLISH_DIR/current names (as "
+        "`trainer adapt graft --publish` writes it) and load newer ones between requests",
     )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = lossless speculative sampling")
@@ -389,6 +420,11 @@ def main(argv: list[str]) -> None:
         raise UserError(str(e)) from None
     options = TreeOptions.parse(args.tree_opt)
     prompts = read_prompts(project_path(args.prompts))[: args.limit]
+    snapshot = None
+    if args.adjacency is not None:
+        if not args.adjacency.is_dir():
+            raise UserError(f"--adjacency {args.adjacency} is not a directory of published snapshots")
+        snapshot = read_current(args.adjacency)
 
     drafter, target_name = None, args.target
     if args.drafter is not None:
@@ -418,7 +454,7 @@ def main(argv: list[str]) -> None:
     try:
         summary = evaluate(
             target, drafter, prompts, encoded, trees, budgets, conditions, args.max_new_tokens, args.seed,
-            args.check_lossless, stops, options, log, str(args.drafter) if args.drafter else None,
+            args.check_lossless, stops, options, log, str(args.drafter) if args.drafter else None, args.adjacency,
         )  # fmt: skip
     finally:
         if log is not None:
@@ -432,6 +468,9 @@ def main(argv: list[str]) -> None:
         device=args.device,
         dtype=args.dtype,
         tree_options=asdict(options),
+        adjacency=str(args.adjacency) if args.adjacency else None,
+        # The snapshot version the runs started from (None: cold, learnt in this process only).
+        adjacency_version=snapshot[0] if snapshot else None,
         seconds=time.perf_counter() - start,
     )
     args.out.mkdir(parents=True, exist_ok=True)
