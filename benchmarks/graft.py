@@ -39,7 +39,7 @@ def decode_all(target, drafter, tree, encoded, args, options, memory=None) -> di
     stages: dict[int, int] = {}
     taus = []
     for i, prompt in enumerate(encoded):
-        session = make_session(tree, target, drafter, options, memory)
+        session = memory if tree == "recycling" else make_session(tree, target, drafter, options, memory)
         gen = torch.Generator().manual_seed(i)
         sampling = Sampling(args.temperature)
         g = generate(target, session, BUILDERS[tree], prompt, args.max_new_tokens, args.budget, sampling, gen,
@@ -127,6 +127,7 @@ def main() -> None:
     def fresh() -> RecyclingSession:
         return RecyclingSession(target.config.vocab_size, options.recycling_width)
 
+    recycling = None
     for variant, (dense, graft) in variants.items():
         drafter = drafters[variant]
         out = {dense: decode_all(target, drafter, dense, measured, args, options)}
@@ -146,6 +147,10 @@ def main() -> None:
             pruned = dataclasses.replace(options, graft_retrieval=False)
             out["pruned"] = decode_all(target, drafter, graft, measured, args, pruned, fresh())
             out["graft cold"] = decode_all(target, drafter, graft, measured, args, options, fresh())
+            # Retrieval alone from a cold matrix (no drafter, the same in both variants): what the drafter adds.
+            if recycling is None:
+                recycling = decode_all(target, None, "recycling", measured, args, options, fresh())
+            out["recycling cold"] = recycling
             # The first pass learns M in-process over different prompts; it is published and loaded back.
             first_memory = fresh()
             decode_all(target, drafter, graft, first, args, options, first_memory)
@@ -153,7 +158,7 @@ def main() -> None:
             warm_memory = fresh()
             refresh_adjacency(warm_memory, args.out / f"publish_{variant}")
             out["graft warm"] = decode_all(target, drafter, graft, measured, args, options, warm_memory)
-            for name in ("pruned", "graft cold", "graft warm"):
+            for name in ("pruned", "recycling cold", "graft cold", "graft warm"):
                 lines.append(row(name, out[name], ratio))
             cold, warm = out["graft cold"]["per_request_tau"], out["graft warm"]["per_request_tau"]
             needed = warm_up_requests(cold, warm)
