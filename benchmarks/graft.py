@@ -97,7 +97,7 @@ HEADER = [
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="checkpoints/target_tiny")
-    p.add_argument("--eagle", type=Path, required=True, help="EAGLE-3 drafter (HF directory)")
+    p.add_argument("--eagle", type=Path, default=Path("checkpoints/eagle3_tiny"), help="EAGLE-3 drafter (HF dir)")
     p.add_argument("--dflash", type=Path, default=Path("checkpoints/dflash_tiny"))
     p.add_argument("--prompts", type=Path, default=Path("data/prompts/stdlib_heldout.jsonl"))
     p.add_argument("--limit", type=int, default=12)
@@ -106,6 +106,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--tree-opt", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--variants", default="eagle,dflash", help="drafter variants to run: eagle, dflash")
     p.add_argument("--sweep", nargs="+", metavar="KIND:T0,T1,T5", help="confidence:thresholds settings to compare")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
@@ -118,8 +119,9 @@ def main() -> None:
     first = [encode(r) for r in rows[len(rows) - args.first_pass :]] if args.first_pass else []
     if len(rows) - args.first_pass < args.limit:
         raise SystemExit("--limit and --first-pass overlap: the warm matrix must come from different prompts")
-    drafters = {"eagle": load_drafter(args.eagle), "dflash": load_drafter(args.dflash)}
-    variants = {"eagle": ("eagle", "graft"), "dflash": ("ddtree", "graft-dflash")}
+    drafters = {"eagle": lambda: load_drafter(args.eagle), "dflash": lambda: load_drafter(args.dflash)}
+    builders = {"eagle": ("eagle", "graft"), "dflash": ("ddtree", "graft-dflash")}
+    variants = {v: builders[v] for v in args.variants.split(",")}
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "options": dataclasses.asdict(options)}
     lines = [f"{len(measured)} prompts, budget {args.budget}, T = {args.temperature}, {args.max_new_tokens} tokens", ""]
@@ -129,7 +131,7 @@ def main() -> None:
 
     recycling = None
     for variant, (dense, graft) in variants.items():
-        drafter = drafters[variant]
+        drafter = drafters[variant]()
         out = {dense: decode_all(target, drafter, dense, measured, args, options)}
         ratio = out[dense]["ms_per_forward"] / out[dense]["verify_ms_per_step"]
         lines += [f"## {variant} (r = {ratio:.3f}: a drafter forward / a verification)", "", *HEADER]

@@ -1,4 +1,4 @@
-"""Draft trees and the pure tensor functions that build them (docs/algorithms.md §2, §4, §8).
+"""Draft trees and the pure tensor functions that build them (docs/algorithms.md §2, §4, §7, §8).
 
 A tree is a root (the last committed token, whose target logits are not computed yet) plus ``N`` draft
 nodes; the node budget always counts draft nodes only, root excluded. Nodes are stored in topological
