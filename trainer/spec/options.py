@@ -42,10 +42,13 @@ class TreeOptions:
     recycling_max_depth: int = 6
     # Graft (docs/algorithms.md §7): checkpoint depths d (ascending); at checkpoint d the frontier of depth d + 1 is
     # kept, and drafting goes deeper only if its confidence reaches the stage's threshold.
+    # Confidence and thresholds come from `benchmarks/graft.py --sweep` on held-out prompts with the tiny
+    # drafters (the paper publishes neither): the best path's probability pruned as well as any kind and, at
+    # these thresholds, modelled speed was highest; rerun the sweep for another drafter.
     graft_checkpoints: tuple[int, ...] = (0, 1, 5)
-    graft_thresholds: tuple[float, ...] = (0.5, 0.4, 0.2)
+    graft_thresholds: tuple[float, ...] = (0.3, 0.1, 0.02)
     # Graft: the frontier confidence, one of trainer.spec.tree.CONFIDENCES (see frontier_confidence).
-    graft_confidence: str = "mass"
+    graft_confidence: str = "best"
     # Graft: the budget share kept for drafted nodes per stage (a pruning checkpoint, then "not pruned"); the
     # rest goes to the retrieval template from the adjacency matrix, and fills whatever the draft leaves.
     graft_draft_share: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
