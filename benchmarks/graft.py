@@ -9,9 +9,11 @@ plus restart warm-up; or (``--sweep``) Graft, cold, under several pruning confid
 
 Measured prompts are the first ``--limit`` of ``--prompts``; the warm matrix comes from a Graft pass over the
 last ``--first-pass`` prompts (different ones), published in the snapshot layout and loaded back the way
-``trainer eval --adjacency`` loads it. Every run draws prompt ``i``'s sampling from seed ``i``. Each run's
-cost is also modelled as ``τ / (1 + r · forwards)``: ``r``, a drafter forward's time over a verification's, is
-measured on the dense tree of the same run, so the ratio needs no wall clock comparison across runs.
+``trainer eval --adjacency`` loads it, or from ``--adjacency PUB``, e.g. what ``trainer adapt graft``
+published from the logs of ``trainer eval --logs`` over those prompts. Every run draws prompt ``i``'s sampling
+from seed ``i``. Each run's cost is also modelled as ``τ / (1 + r · forwards)``: ``r``, a drafter forward's
+time over a verification's, is measured on the dense tree of the same run, so the ratio needs no wall clock
+comparison across runs.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--tree-opt", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--adjacency", type=Path, help="warm M from this publish directory instead of a first pass")
     p.add_argument("--variants", default="eagle,dflash", help="drafter variants to run: eagle, dflash")
     p.add_argument("--sweep", nargs="+", metavar="KIND:T0,T1,T5", help="confidence:thresholds settings to compare")
     p.add_argument("--out", type=Path, required=True)
@@ -153,12 +156,16 @@ def main() -> None:
             if recycling is None:
                 recycling = decode_all(target, None, "recycling", measured, args, options, fresh())
             out["recycling cold"] = recycling
-            # The first pass learns M in-process over different prompts; it is published and loaded back.
-            first_memory = fresh()
-            decode_all(target, drafter, graft, first, args, options, first_memory)
-            publish_first_pass(first_memory, args.out / f"publish_{variant}")
+            # Warm M: published by the daemon from a first pass's logs (--adjacency), or learnt in-process by a
+            # first pass over different prompts here, published in the same layout and loaded back.
+            publish_dir = args.adjacency
+            if publish_dir is None:
+                first_memory = fresh()
+                decode_all(target, drafter, graft, first, args, options, first_memory)
+                publish_dir = args.out / f"publish_{variant}"
+                publish_first_pass(first_memory, publish_dir)
             warm_memory = fresh()
-            refresh_adjacency(warm_memory, args.out / f"publish_{variant}")
+            refresh_adjacency(warm_memory, publish_dir)
             out["graft warm"] = decode_all(target, drafter, graft, measured, args, options, warm_memory)
             for name in ("pruned", "recycling cold", "graft cold", "graft warm"):
                 lines.append(row(name, out[name], ratio))
