@@ -15,12 +15,37 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from trainer.data.features import teacher_at
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
 from trainer.losses import forward_kl_topk, weighted_slot_mean
 from trainer.paths import project_path
-from trainer.training.block_drafter import BlockDrafterTraining
+from trainer.target import Target
+from trainer.training.block_batches import Blocks
+from trainer.training.block_drafter import BlockDrafterTraining, block_hidden
+
+
+def treeflash_loss(
+    drafter: TreeFlashDraftModel,
+    target: Target,
+    batch: dict[str, torch.Tensor],
+    blocks: Blocks,
+    weights: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The TreeFlash loss of a batch with features: depth-weighted forward KL of the corrected distribution
+    (teacher-forced previous token) to the target's top-k, over valid slots.
+
+    Returns: loss (), the backbone's normed hidden (B, N, K, H), corrected logits (B, N, K, V), teacher top-k
+    ids and log-probs (B, N, K, k).
+    """
+    hidden = block_hidden(drafter.model, target, batch, blocks)
+    normed = drafter.model.norm(hidden)
+    prev = target.embed_tokens(blocks.prev_tokens).to(hidden.dtype)
+    corrected = target.lm_head(drafter.correct(hidden, normed, prev))
+    t_ids, t_lp = teacher_at(batch, blocks.teacher_index)
+    loss = weighted_slot_mean(forward_kl_topk(corrected, t_ids, t_lp), blocks.label_mask, weights)
+    return loss, normed, corrected, t_ids, t_lp
 
 
 class TreeFlashTraining(BlockDrafterTraining):
@@ -71,13 +96,9 @@ class TreeFlashTraining(BlockDrafterTraining):
 
     def _forward(self, batch):
         batch, blocks = self._blocks(batch)
-        hidden = self.block_hidden(batch, blocks)
-        normed = self.dflash.norm(hidden)
-        prev = self.target.embed_tokens(blocks.prev_tokens).to(hidden.dtype)
-        corrected = self.logits(self.drafter.correct(hidden, normed, prev))
-        t_ids, t_lp = self.teacher(batch, blocks)
-        kl = forward_kl_topk(corrected, t_ids, t_lp)
-        loss = weighted_slot_mean(kl, blocks.label_mask, self.slot_weights())
+        loss, normed, corrected, t_ids, t_lp = treeflash_loss(
+            self.drafter, self.target, batch, blocks, self.slot_weights()
+        )
         return loss, normed, corrected, blocks, t_ids, t_lp
 
     def training_step(self, batch, batch_idx):
