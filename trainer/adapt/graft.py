@@ -54,6 +54,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save, save_file
 
 from trainer.adapt.candidates import SCALE, CandidateTable
+from trainer.adapt.journal import append_lines, quarantine_lines, truncate_to
 from trainer.adapt.publish import (
     ADJACENCY,
     ADJACENCY_TENSOR,
@@ -415,24 +416,14 @@ class GraftDaemon:
 
     def _truncate_quarantine(self) -> None:
         """Drop quarantine lines written after the last commit: the restart reads those log lines again."""
-        path = self.state_dir / QUARANTINE
-        if path.exists() and path.stat().st_size > self.state.quarantine_bytes:
-            with open(path, "r+b") as f:
-                f.truncate(self.state.quarantine_bytes)
+        truncate_to(self.state_dir / QUARANTINE, self.state.quarantine_bytes)
 
     def _quarantine(self, errors: list[RecordError]) -> None:
         """Append rejected lines durably before the batch is applied (a restart cuts back what was not
         committed, so a failure here loses nothing)."""
-        lines = "".join(
-            json.dumps({"file": f"{e.file}.jsonl", "offset": e.offset, "reason": e.reason}) + "\n" for e in errors
-        )
         path = self.state_dir / QUARANTINE
         try:
-            with open(path, "ab") as f:
-                f.write(lines.encode())
-                f.flush()
-                os.fsync(f.fileno())
-                self.state.quarantine_bytes = f.tell()
+            self.state.quarantine_bytes = append_lines(path, quarantine_lines(errors))
         except OSError as e:
             raise StateError(f"cannot append to {path}: {e.strerror}; restart once it is writable") from e
         self.state.counters.quarantined += len(errors)
