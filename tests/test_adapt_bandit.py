@@ -2,14 +2,33 @@
 alarm, restart after SIGKILL."""
 
 import copy
+import math
 
 import pytest
 import torch
 from conftest import ROOT, TINY_TARGET
 
+from trainer.adapt.bandit import (
+    SKIP,
+    Arm,
+    ArmStats,
+    BanditConfig,
+    LiveTau,
+    Rates,
+    acceptance,
+    collapsed,
+    cost_tokens,
+    expected_accepted,
+    gain_tokens,
+    plan,
+    rolled_back,
+    step_seconds,
+    step_tokens,
+)
 from trainer.training.dflash import DFlashTraining
 from trainer.training.step import BlockStepOptions, NonFiniteStep, context_batch, dflash_step, treeflash_step
 from trainer.training.treeflash import TreeFlashTraining
+from trainer.vlog.schema import step_record
 
 DFLASH_TINY = ROOT / "checkpoints" / "dflash_tiny"
 
@@ -68,3 +87,84 @@ def test_step_api_subset_and_non_finite_leave_weights():
         treeflash_step(drafter, module.target, _batch(), opt, step=1, options=BlockStepOptions(topk=8, max_anchors=4))
     for n, p in drafter.named_parameters():
         torch.testing.assert_close(p, snapshot[n], equal_nan=True)
+
+
+# ---- the bandit core: estimates with known answers ------------------------------------------------------------
+def _step(request: str, version: int, pos: int, root: int, accepted: int, depth: int = 4, ms=(10.0, 5.0, 85.0)):
+    """A chain step record: ``depth`` draft nodes, the first ``accepted`` of them accepted."""
+    k = 8
+    return step_record(
+        server="s", request=request, tenant=None, shareable=True, step=0, drafter="d", drafter_version=version,
+        tree="chain", budget=depth, pos=pos, root=root, tokens=[7 + i for i in range(depth)],
+        parents=list(range(-1, depth - 1)), accepted=list(range(accepted)), bonus=5,
+        topk_ids=[[10 + j for j in range(k)] for _ in range(depth + 1)],
+        topk_logprobs=[[math.log(0.5)] + [math.log(0.5 / (k - 1))] * (k - 1) for _ in range(depth + 1)],
+        ms=dict(zip(("draft", "tree", "verify"), ms, strict=True)),
+    )  # fmt: skip
+
+
+def test_step_tokens_seconds_and_rates_known_answers():
+    record = _step("r", 1, 0, 0, accepted=2)
+    assert step_tokens(record) == 3 and step_seconds(record) == pytest.approx(0.1)
+    live = LiveTau(window=2)
+    for accepted in (0, 3, 1):
+        live.add(step_tokens(_step("r", 1, 0, 0, accepted)), 0.1)
+    assert live.full and live.tau == pytest.approx(3.0) and live.steps == 3  # window: the last two steps (4, 2)
+    rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
+    config = BanditConfig(horizon_requests=10)
+    # θ = 20 tok/s, horizon 10 / 0.5 = 20 s: 400 tokens; τ 2 → 3 serves half as many more.
+    assert rates.throughput == pytest.approx(20.0) and rates.horizon_seconds(config) == pytest.approx(20.0)
+    assert gain_tokens(rates, 3.0, config) == pytest.approx(200.0)
+    assert gain_tokens(rates, 1.5, config) == pytest.approx(-100.0)
+    assert cost_tokens(rates, 1.5) == pytest.approx(30.0)
+
+
+def test_shadow_acceptance_and_expected_tokens_known_answers():
+    ids = torch.tensor([[3, 4]])
+    logprobs = torch.tensor([[math.log(0.6), math.log(0.3)]])
+    same = torch.full((1, 6), -1e9)
+    same[0, 3], same[0, 4], same[0, 5] = math.log(0.6), math.log(0.3), math.log(0.1)
+    assert float(acceptance(same, ids, logprobs)) == pytest.approx(0.9)  # the target's top-2 mass
+    elsewhere = torch.full((1, 6), -1e9)
+    elsewhere[0, 0] = 0.0
+    assert float(acceptance(elsewhere, ids, logprobs)) == pytest.approx(0.0, abs=1e-6)
+    alpha = torch.tensor([[0.5, 0.5, 0.5], [1.0, 1.0, 1.0]])
+    # 1 + 0.5 + 0.25 (cut at depth 2); 1 + 1 + 1 + 1
+    torch.testing.assert_close(expected_accepted(alpha, torch.tensor([2, 3])), torch.tensor([1.75, 4.0]))
+
+
+@pytest.mark.parametrize("seconds", [0.5, 2.0, 8.0, 40.0])
+def test_plan_updates_exactly_when_expected_net_gain_is_positive(seconds):
+    config = BanditConfig(horizon_requests=10, swap_seconds=0.0)
+    arms = (Arm("a", "full", 4, 1e-3),)
+    stats = {"a": ArmStats.fresh(config)}
+    stats["a"].measured(seconds)
+    rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
+    choice, (estimate,) = plan(rates, 3.0, arms, stats, config)
+    # Optimistic recovery (prior 0.5 + 1 sd 0.5 / sqrt(1)) = 1.0 of headroom 1: τ 3, gain 200 tokens; cost 20·s.
+    assert estimate.tau_gain == pytest.approx(1.0)
+    assert estimate.gain == pytest.approx(200.0) and estimate.cost == pytest.approx(20.0 * seconds)
+    assert (choice == "a") == (estimate.net > 0) == (seconds < 10)
+    assert plan(rates, 2.0, arms, stats, config)[0] == SKIP  # no headroom, no update
+
+
+def test_plan_learns_from_realised_outcomes():
+    config = BanditConfig(horizon_requests=10, swap_seconds=0.0)
+    arms = (Arm("a", "full", 4, 1e-3), Arm("b", "lora", 4, 1e-3))
+    stats = {"a": ArmStats.fresh(config), "b": ArmStats.fresh(config)}
+    stats["a"].measured(1.0)
+    stats["b"].measured(2.0)
+    rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
+    assert plan(rates, 3.0, arms, stats, config)[0] == "a"  # same prior, cheaper
+    for realised in (-0.1, 0.0, -0.2, 0.05):  # "a" never recovered anything
+        stats["a"].recovery.add(realised)
+    assert plan(rates, 3.0, arms, stats, config)[0] == "b"
+    for realised in (-0.1, 0.0, 0.0, -0.1):
+        stats["b"].recovery.add(realised)
+    assert plan(rates, 3.0, arms, stats, config)[0] == SKIP
+
+
+def test_rollback_and_collapse_rules():
+    config = BanditConfig(rollback_margin=0.1, collapse_ratio=0.5, collapse_tau=1.05)
+    assert rolled_back(3.0, 2.85, config) and not rolled_back(3.0, 2.95, config)
+    assert collapsed(1.0, 1.2, config) and collapsed(1.4, 3.0, config) and not collapsed(2.0, 3.0, config)
