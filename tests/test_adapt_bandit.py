@@ -2,7 +2,14 @@
 alarm, restart after SIGKILL."""
 
 import copy
+import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,10 +32,12 @@ from trainer.adapt.bandit import (
     step_seconds,
     step_tokens,
 )
+from trainer.adapt.bandit_daemon import ALARM_EXIT, BanditDaemon
+from trainer.adapt.publish import publish, read_current, read_manifest
 from trainer.training.dflash import DFlashTraining
 from trainer.training.step import BlockStepOptions, NonFiniteStep, context_batch, dflash_step, treeflash_step
 from trainer.training.treeflash import TreeFlashTraining
-from trainer.vlog.schema import step_record
+from trainer.vlog.schema import request_record, step_record
 
 DFLASH_TINY = ROOT / "checkpoints" / "dflash_tiny"
 
@@ -165,6 +174,116 @@ def test_plan_learns_from_realised_outcomes():
 
 
 def test_rollback_and_collapse_rules():
-    config = BanditConfig(rollback_margin=0.1, collapse_ratio=0.5, collapse_tau=1.05)
+    config = BanditConfig(rollback_margin=0.1, collapse_ratio=0.5, collapse_tau=1.0)
     assert rolled_back(3.0, 2.85, config) and not rolled_back(3.0, 2.95, config)
-    assert collapsed(1.0, 1.2, config) and collapsed(1.4, 3.0, config) and not collapsed(2.0, 3.0, config)
+    assert collapsed(1.0, 1.2, config) and collapsed(1.4, 3.0, config)
+    assert not collapsed(2.0, 3.0, config) and not collapsed(1.05, 1.2, config)
+
+
+# ---- the daemon: rollback, alarm, failed update, restart after SIGKILL --------------------------------------------
+def _write_log(logs: Path, name: str, version: int, accepted: list[int], requests: int = 4, bad: int = 0) -> None:
+    """A finished segment: ``requests`` requests whose steps accept ``accepted`` (cycled) draft nodes."""
+    g = torch.Generator().manual_seed(len(name))
+    lines, a = [], 0
+    for r in range(requests):
+        prompt = torch.randint(10, 8000, (16,), generator=g).tolist()
+        output = torch.randint(10, 8000, (24,), generator=g).tolist()
+        seq = prompt + output
+        for pos in range(len(prompt) - 1, len(seq) - 6, 5):
+            lines.append(_step(f"{name}-{r}", version, pos, seq[pos], accepted[a % len(accepted)]))
+            a += 1
+        lines.append(request_record(server="s", request=f"{name}-{r}", tenant=None, shareable=True,
+                                    prompt_ids=prompt, output_ids=output))  # fmt: skip
+    text = "".join(json.dumps(x) + "\n" for x in lines) + "".join(f'{{"v": 1, "broken {i}\n' for i in range(bad))
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / f"{name}.jsonl").write_text(text)
+
+
+def _daemon(tmp_path: Path, **config) -> BanditDaemon:
+    arms = (Arm("full-1", "full", 1, 1e-4),)
+    return BanditDaemon(tmp_path / "logs", DFLASH_TINY, tmp_path / "pub", tmp_path / "state", TINY_TARGET,
+                        BanditConfig(window_steps=8, **config), arms=arms)  # fmt: skip
+
+
+def _journal(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "state" / "decisions.jsonl").read_text().splitlines()]
+
+
+def test_rollback_when_the_new_version_is_worse(tmp_path):
+    (tmp_path / "logs").mkdir()
+    daemon = _daemon(tmp_path)
+    assert daemon.state["version"] == 1
+    pending = {"decision": 1, "arm": "full-1", "tau_before": 3.0, "headroom": 1.0, "tau_new": 3.5, "shadow_gain": 0.5}
+    v2 = publish(tmp_path / "pub", daemon.drafter.save_pretrained, {"kind": "drafter", "decision": pending})
+    _write_log(tmp_path / "logs", "seg-000001-1000", v2, accepted=[1])  # τ 2 < 3 - margin
+    restarted = _daemon(tmp_path)  # adopts v2 and its pending decision from the manifest
+    assert restarted.state["version"] == v2 and restarted.state["pending"]["tau_before"] == 3.0
+    assert restarted.run(once=True) == 0
+    version, path = read_current(tmp_path / "pub")
+    assert version == v2 + 1 and read_manifest(path)["rollback_of"] == 1
+    (outcome,) = _journal(tmp_path)
+    assert outcome["event"] == "outcome" and outcome["rolled_back_to"] == version
+    assert outcome["realised_gain"] == pytest.approx(-1.0)
+    assert restarted.state["arms"]["full-1"]["recovery"]["mean"] == pytest.approx(-1.0)
+
+
+def test_alarm_on_a_zeroed_drafter_and_on_collapsed_tau(tmp_path):
+    (tmp_path / "logs").mkdir()
+    daemon = _daemon(tmp_path)
+    zeroed = copy.deepcopy(daemon.drafter)
+    with torch.no_grad():
+        for p in zeroed.parameters():
+            p.zero_()
+    publish(tmp_path / "pub", zeroed.save_pretrained, {"kind": "drafter"})
+    restarted = _daemon(tmp_path)
+    assert restarted.run(once=True) == ALARM_EXIT
+    assert json.loads((tmp_path / "state" / "metrics.json").read_text())["alarm"]
+    assert _journal(tmp_path)[-1]["event"] == "alarm"
+    # A drafter that serves but whose steps accept nothing: τ = 1 raises the alarm and rolls back to version 1.
+    other = tmp_path / "b"
+    (other / "logs").mkdir(parents=True)
+    daemon = _daemon(other)
+    v2 = publish(other / "pub", daemon.drafter.save_pretrained, {"kind": "drafter"})
+    _write_log(other / "logs", "seg-000001-1000", v2, accepted=[0])
+    restarted = _daemon(other)
+    assert restarted.run(once=True) == ALARM_EXIT
+    alarm = _journal(other)[-1]
+    assert alarm["event"] == "alarm" and alarm["tau"] == pytest.approx(1.0) and alarm["rolled_back_to"] == v2 + 1
+    assert read_manifest(read_current(other / "pub")[1])["rollback_of"] == 1
+
+
+def test_failed_update_leaves_the_served_version(tmp_path):
+    _write_log(tmp_path / "logs", "seg-000001-1000", 1, accepted=[3])
+    daemon = _daemon(tmp_path, horizon_requests=1e6)
+    daemon.state["ref"]["1"] = 4.5  # τ fell from 4.5 to 4: worth an update
+    daemon.arms = (Arm("full-1", "full", 1, 1e39),)  # overflows the weights to inf
+    assert daemon.run(once=True) == 0
+    decision = _journal(tmp_path)[-1]
+    assert decision["arm"] == "full-1" and decision["published"] is None and "failed" in decision
+    assert read_current(tmp_path / "pub")[0] == 1 and daemon.state["version"] == 1
+
+
+def test_restart_after_sigkill_loses_nothing(tmp_path):
+    """Kill the daemon at several moments, restart it each time; the end state counts every line exactly once and
+    the published version is always complete."""
+    logs = tmp_path / "logs"
+    for i in range(3):
+        _write_log(logs, f"seg-{i:06d}-{1000 + i}", 1, accepted=[2, 3], requests=3, bad=2)
+    command = [sys.executable, "-m", "trainer", "adapt", "bandit", "--logs", str(logs), "--drafter",
+               str(DFLASH_TINY), "--publish", str(tmp_path / "pub"), "--once", "--window-steps", "1000"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for delay in (3.0,):
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        current = read_current(tmp_path / "pub")
+        assert current is None or (current[1] / "config.json").is_file()
+    assert subprocess.run(command, env=env, capture_output=True).returncode == 0
+    assert subprocess.run(command, env=env, capture_output=True).returncode == 0  # nothing new: nothing counted
+    state = json.loads((tmp_path / "pub" / ".state" / "state.json").read_text())
+    assert state["requests"] == 9 and state["quarantined"] == 6
+    quarantine = (tmp_path / "pub" / ".state" / "quarantine.jsonl").read_text().splitlines()
+    assert len(quarantine) == 6 and all("reason" in json.loads(q) for q in quarantine)
+    assert len(state["live"]["1"]["recent"]) == state["live"]["1"]["steps"] == 3 * 3 * 4
+    assert read_current(tmp_path / "pub")[0] == 1

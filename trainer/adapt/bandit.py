@@ -44,9 +44,9 @@ class Arm:
 
 
 DEFAULT_ARMS = (
-    Arm("approx-8", "approx", 8, 3e-3),
-    Arm("lora-8", "lora", 8, 3e-3),
-    Arm("full-8", "full", 8, 3e-4),
+    Arm("approx-4", "approx", 4, 3e-3),
+    Arm("lora-4", "lora", 4, 3e-3),
+    Arm("full-4", "full", 4, 3e-4),
 )
 
 
@@ -58,7 +58,7 @@ class BanditConfig:
     window_steps: int = 64
     rollback_margin: float = 0.05
     collapse_ratio: float = 0.5
-    collapse_tau: float = 1.05
+    collapse_tau: float = 1.0
     ucb: float = 1.0
     prior_recovery: float = 0.5
     prior_seconds_per_step: float = 0.5
@@ -240,8 +240,9 @@ def rolled_back(previous: float, new: float, config: BanditConfig) -> bool:
 
 
 def collapsed(tau: float, best: float, config: BanditConfig) -> bool:
-    """τ collapsed: hardly anything accepted, or under ``collapse_ratio`` of the best version's τ."""
-    return tau < config.collapse_tau or tau < config.collapse_ratio * best
+    """τ collapsed: at most ``collapse_tau`` (1: nothing accepted in the whole window, what a zeroed or
+    corrupted drafter gives), or under ``collapse_ratio`` of the best version's τ."""
+    return tau <= config.collapse_tau or tau < config.collapse_ratio * best
 
 
 def acceptance(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:

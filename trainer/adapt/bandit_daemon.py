@@ -82,8 +82,8 @@ METRICS = "metrics.json"
 ALARM_EXIT = 3
 PENDING_REQUESTS = 512
 DEFAULT_CONFIG = BanditConfig()
-# Update steps: teacher top-32 (the TreeFlash loss is a KL over it), 16 anchors per replayed request.
-STEP_OPTIONS = BlockStepOptions(topk=32, max_anchors=16)
+# Update steps: teacher top-32 (the TreeFlash loss is a KL over it), 8 anchors per replayed request.
+STEP_OPTIONS = BlockStepOptions(topk=32, max_anchors=8)
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -150,23 +150,26 @@ class BanditDaemon:
     def _fresh_state(self, drafter_dir: Path) -> dict:
         """Publish ``--drafter`` as the first version unless one is current, and start counting from it."""
         current = read_current(self.publish_dir)
+        previous, pending = None, None
         if current is None:
             model = load_drafter(project_path(drafter_dir))
             if reason := broken(model):
                 raise UserError(f"--drafter {drafter_dir}: {reason}")
             version = publish(self.publish_dir, model.save_pretrained, {"kind": "drafter", "source": str(drafter_dir)})
         else:
-            version = current[0]
+            # Served already (a state directory lost or moved): resume from the version and its decision.
+            manifest = read_manifest(current[1])
+            version, previous, pending = current[0], manifest.get("parent"), manifest.get("decision")
         return {
             "offsets": {},
             "quarantine_bytes": 0,
             "decisions_bytes": 0,
             "version": version,
-            "previous": None,
+            "previous": previous,
             "live": {},
             "ref": {},
             "arms": {},
-            "pending": None,
+            "pending": pending,
             "replay": Replay(self.config.buffer_requests, self.config.holdout_every).to_json(),
             "pending_steps": {},
             "requests": 0,
@@ -189,7 +192,7 @@ class BanditDaemon:
         if current is not None and current[0] != state["version"]:
             # Published after the last commit: adopt the version with the decision its manifest carries.
             manifest = read_manifest(current[1])
-            state["previous"], state["version"] = state["version"], current[0]
+            state["previous"], state["version"] = manifest.get("parent", state["version"]), current[0]
             state["pending"] = manifest.get("decision")
         return state
 
@@ -325,11 +328,16 @@ class BanditDaemon:
         version = self.state["version"]
         stats = {name: _stats(obj) for name, obj in self.state["arms"].items()}
         arm_name, estimates = plan(rates, self.state["ref"][str(version)], self.arms, stats, self.config)
+        replay = Replay.from_json(self.state["replay"])
+        if not any(r["steps"] for r in replay.holdout) or not replay.train:
+            # A candidate could be neither trained nor judged: spending the update would buy nothing.
+            arm_name = SKIP
         self.state["decisions"] += 1
         entry = {"event": "decision", "decision": self.state["decisions"], "version": version, "tau": rates.tau}
         entry |= {"tau_ref": self.state["ref"][str(version)], "step_seconds": rates.step_seconds}
         entry |= {"request_rate": rates.request_rate, "horizon_s": rates.horizon_seconds(self.config)}
         entry |= {"estimates": [asdict(e) | {"net": e.net} for e in estimates], "arm": arm_name}
+        entry["holdout_requests"] = sum(1 for r in replay.holdout if r["steps"])
         if arm_name == SKIP:
             self._log(entry)
             # A fresh window before the next look, so one stale window is not decided on twice.
@@ -340,8 +348,15 @@ class BanditDaemon:
         try:
             candidate = self.train(arm)
             served_shadow, cand_shadow = self.shadow(self.drafter), self.shadow(candidate)
-        except NonFiniteStep as e:
-            candidate, served_shadow, cand_shadow, entry["failed"] = None, math.nan, math.nan, str(e)
+        except (NonFiniteStep, RuntimeError, ValueError) as e:
+            # An update that fails (non-finite loss, an optimiser overflow, a shape error) is logged; the served
+            # version stays.
+            candidate, served_shadow, cand_shadow, entry["failed"] = (
+                None,
+                math.nan,
+                math.nan,
+                f"{type(e).__name__}: {e}",
+            )
         seconds = time.perf_counter() - started
         stats[arm_name].measured(seconds)
         stats[arm_name].tried += 1
