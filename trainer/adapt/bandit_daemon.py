@@ -69,9 +69,8 @@ from trainer.paths import project_path
 from trainer.spec.drafting import load_drafter
 from trainer.target import Target, load_causal_lm
 from trainer.training.block_batches import make_blocks, slot_weights
-from trainer.training.dflash import dflash_loss
+from trainer.training.block_losses import dflash_loss, treeflash_loss
 from trainer.training.step import BlockStepOptions, NonFiniteStep, context_batch, dflash_step, treeflash_step
-from trainer.training.treeflash import treeflash_loss
 from trainer.vlog.reader import LogReader
 from trainer.vlog.schema import RecordError
 

@@ -13,64 +13,14 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from trainer.data.features import with_features
 from trainer.losses import forward_kl_topk, topk_coverage, tvd_topk
-from trainer.target import Target
 from trainer.training.block_batches import (
     Blocks,
-    anchor_generator,
-    block_attention_mask,
-    make_blocks,
-    sample_anchors,
     slot_weights,
 )
+from trainer.training.block_losses import block_batch
 from trainer.training.frozen_target import FrozenTargetTraining
 from trainer.training.metrics import show_table
-
-
-def block_batch(
-    dflash: torch.nn.Module,
-    target: Target,
-    batch: dict[str, torch.Tensor],
-    topk: int,
-    max_anchors: int,
-    seed: int,
-    step: int | None,
-) -> tuple[dict[str, torch.Tensor], Blocks]:
-    """The batch with target features and its blocks; anchors are drawn from ``(seed, step)`` (``None``: the
-    fixed validation draw), so a training step and the training-step API draw the same anchors."""
-    batch = with_features(batch, target, topk)
-    anchors, valid = sample_anchors(batch["loss_mask"], batch["doc_ids"], max_anchors, anchor_generator(seed, step))
-    blocks = make_blocks(
-        batch["input_ids"],
-        batch["loss_mask"],
-        batch["position_ids"],
-        batch["doc_ids"],
-        anchors,
-        valid,
-        dflash.block_size,
-        dflash.mask_token_id,
-    )
-    return batch, blocks
-
-
-def block_hidden(
-    dflash: torch.nn.Module, target: Target, batch: dict[str, torch.Tensor], blocks: Blocks
-) -> torch.Tensor:
-    """The DFlash-style drafter's pre-norm hidden states of every block slot. Shape: (B, N, K, H)"""
-    b, n, k = blocks.tokens.shape
-    dtype = dflash.fc.weight.dtype
-    noise = target.embed_tokens(blocks.tokens.flatten(1)).to(dtype)
-    positions = torch.cat([batch["position_ids"], blocks.positions.flatten(1)], dim=1)
-    mask = block_attention_mask(batch["doc_ids"], blocks, dtype=dtype)
-    hidden = dflash(
-        noise_embedding=noise,
-        target_hidden=batch["features"].to(dtype),
-        position_ids=positions,
-        attention_mask=mask,
-        return_prenorm=True,
-    )
-    return hidden.view(b, n, k, -1)
 
 
 class BlockDrafterTraining(FrozenTargetTraining):

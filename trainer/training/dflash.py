@@ -12,33 +12,11 @@ from typing import Any, Literal
 import torch
 from transformers import PreTrainedModel
 
-from trainer.data.features import teacher_at
 from trainer.drafters.dflash import DFlashDraftModel, build_config
 from trainer.errors import UserError
-from trainer.losses import cross_entropy, forward_kl_topk, weighted_slot_mean
 from trainer.paths import project_path
-from trainer.target import Target
-from trainer.training.block_batches import Blocks
-from trainer.training.block_drafter import BlockDrafterTraining, block_hidden
-
-
-def dflash_loss(
-    drafter: DFlashDraftModel,
-    target: Target,
-    batch: dict[str, torch.Tensor],
-    blocks: Blocks,
-    weights: torch.Tensor,
-    kind: Literal["ce", "kl"],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The DFlash loss of a batch with features: depth-weighted mean over valid slots of the cross-entropy to
-    the data token (``ce``) or the forward KL to the target's top-k (``kl``).
-
-    Returns: loss (), logits (B, N, K, V), teacher top-k ids and log-probs (B, N, K, k).
-    """
-    logits = target.lm_head(drafter.norm(block_hidden(drafter, target, batch, blocks)))
-    t_ids, t_lp = teacher_at(batch, blocks.teacher_index)
-    per_slot = forward_kl_topk(logits, t_ids, t_lp) if kind == "kl" else cross_entropy(logits, blocks.labels)
-    return weighted_slot_mean(per_slot, blocks.label_mask, weights), logits, t_ids, t_lp
+from trainer.training.block_drafter import BlockDrafterTraining
+from trainer.training.block_losses import dflash_loss
 
 
 class DFlashTraining(BlockDrafterTraining):

@@ -1,8 +1,8 @@
 """The training-step API: one optimiser step of a drafter against the frozen target, without a Lightning Trainer.
 
 The adaptation daemons (``trainer adapt bandit``) call these. Each family's function computes its loss with
-the function its LightningModule's training step calls (``dflash_loss`` in trainer/training/dflash.py,
-``treeflash_loss`` in trainer/training/treeflash.py), with the same anchor draws for the same ``(seed, step)``,
+the function its LightningModule's training step calls (``dflash_loss``, ``treeflash_loss`` in
+trainer/training/block_losses.py), with the same anchor draws for the same ``(seed, step)``,
 so a step here equals one step of the LightningModule on the same batch. On CPU::
 
     target = Target(load_causal_lm("checkpoints/target_tiny"), drafter.target_layer_ids)
@@ -28,9 +28,7 @@ from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.target import Target
 from trainer.training.block_batches import slot_weights
-from trainer.training.block_drafter import block_batch
-from trainer.training.dflash import dflash_loss
-from trainer.training.treeflash import treeflash_loss
+from trainer.training.block_losses import block_batch, dflash_loss, treeflash_loss
 
 
 class NonFiniteStep(ArithmeticError):

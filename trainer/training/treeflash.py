@@ -15,37 +15,12 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from trainer.data.features import teacher_at
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
-from trainer.losses import forward_kl_topk, weighted_slot_mean
 from trainer.paths import project_path
-from trainer.target import Target
-from trainer.training.block_batches import Blocks
-from trainer.training.block_drafter import BlockDrafterTraining, block_hidden
-
-
-def treeflash_loss(
-    drafter: TreeFlashDraftModel,
-    target: Target,
-    batch: dict[str, torch.Tensor],
-    blocks: Blocks,
-    weights: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The TreeFlash loss of a batch with features: depth-weighted forward KL of the corrected distribution
-    (teacher-forced previous token) to the target's top-k, over valid slots.
-
-    Returns: loss (), the backbone's normed hidden (B, N, K, H), corrected logits (B, N, K, V), teacher top-k
-    ids and log-probs (B, N, K, k).
-    """
-    hidden = block_hidden(drafter.model, target, batch, blocks)
-    normed = drafter.model.norm(hidden)
-    prev = target.embed_tokens(blocks.prev_tokens).to(hidden.dtype)
-    corrected = target.lm_head(drafter.correct(hidden, normed, prev))
-    t_ids, t_lp = teacher_at(batch, blocks.teacher_index)
-    loss = weighted_slot_mean(forward_kl_topk(corrected, t_ids, t_lp), blocks.label_mask, weights)
-    return loss, normed, corrected, t_ids, t_lp
+from trainer.training.block_drafter import BlockDrafterTraining
+from trainer.training.block_losses import treeflash_loss
 
 
 class TreeFlashTraining(BlockDrafterTraining):
