@@ -62,15 +62,19 @@ from trainer.adapt.bandit import (
 from trainer.adapt.graft import StateError
 from trainer.adapt.journal import append_lines, quarantine_lines, truncate_to
 from trainer.adapt.publish import publish, read_current, read_manifest, write_atomic
-from trainer.data.features import with_features
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
 from trainer.paths import project_path
 from trainer.spec.drafting import load_drafter
 from trainer.target import Target, load_causal_lm
-from trainer.training.block_batches import make_blocks, slot_weights
-from trainer.training.block_losses import dflash_loss, treeflash_loss
-from trainer.training.step import BlockStepOptions, NonFiniteStep, context_batch, dflash_step, treeflash_step
+from trainer.training.step import (
+    BlockStepOptions,
+    NonFiniteStep,
+    block_logits,
+    context_batch,
+    dflash_step,
+    treeflash_step,
+)
 from trainer.vlog.reader import LogReader
 from trainer.vlog.schema import RecordError
 
@@ -438,23 +442,8 @@ class BanditDaemon:
             if not steps:
                 continue
             seq = request["prompt"] + request["output"]
-            batch = with_features(context_batch([seq], [0], pad_id=0), self.target, self.options.topk)
             anchors = torch.tensor([[s["pos"] for s in steps]])
-            blocks = make_blocks(
-                batch["input_ids"],
-                batch["loss_mask"],
-                batch["position_ids"],
-                batch["doc_ids"],
-                anchors,
-                torch.ones_like(anchors, dtype=torch.bool),
-                dflash.block_size,
-                dflash.mask_token_id,
-            )
-            weights = slot_weights(dflash.block_size, self.options.gamma)
-            if isinstance(drafter, TreeFlashDraftModel):
-                logits = treeflash_loss(drafter, self.target, batch, blocks, weights)[2]
-            else:
-                logits = dflash_loss(drafter, self.target, batch, blocks, weights, "ce")[1]
+            logits = block_logits(drafter, self.target, context_batch([seq], [0], pad_id=0), anchors, self.options)
             # Shape: (C, K-1, V) the drafter's distributions of depths 1..K-1 at each logged root
             logits = logits[0, :, 1:]
             k = len(steps[0]["topk_ids"][0])

@@ -23,11 +23,12 @@ from typing import Literal
 
 import torch
 
+from trainer.data.features import with_features
 from trainer.data.pack import collate
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.target import Target
-from trainer.training.block_batches import slot_weights
+from trainer.training.block_batches import make_blocks, slot_weights
 from trainer.training.block_losses import block_batch, dflash_loss, treeflash_loss
 
 
@@ -123,3 +124,34 @@ def treeflash_step(
         weights = slot_weights(backbone.block_size, options.gamma, device=batch["input_ids"].device)
         loss, *_ = treeflash_loss(drafter, target, batch, blocks, weights)
         return _apply(loss, optimizer)
+
+
+@torch.no_grad()
+def block_logits(
+    drafter: DFlashDraftModel | TreeFlashDraftModel,
+    target: Target,
+    batch: dict[str, torch.Tensor],
+    anchors: torch.Tensor,
+    options: BlockStepOptions = BlockStepOptions(),
+) -> torch.Tensor:
+    """The drafter's logits of every slot of blocks anchored at ``anchors`` (slot ``k`` drafts position
+    ``anchor + k``), computed by the family's loss function; TreeFlash's are the corrected ones, teacher-forced on
+    the batch's tokens. No gradient, nothing stepped. Shape: anchors (B, N) → (B, N, K, V)
+    """
+    tree = isinstance(drafter, TreeFlashDraftModel)
+    backbone = drafter.model if tree else drafter
+    batch = with_features(batch, target, options.topk)
+    blocks = make_blocks(
+        batch["input_ids"],
+        batch["loss_mask"],
+        batch["position_ids"],
+        batch["doc_ids"],
+        anchors,
+        anchors >= 0,
+        backbone.block_size,
+        backbone.mask_token_id,
+    )
+    weights = slot_weights(backbone.block_size, options.gamma, device=anchors.device)
+    if tree:
+        return treeflash_loss(drafter, target, batch, blocks, weights)[2]
+    return dflash_loss(drafter, target, batch, blocks, weights, options.loss)[1]
