@@ -38,7 +38,14 @@ def block_batch(
     fixed validation draw), so a training step and the training-step API draw the same anchors."""
     batch = with_features(batch, target, topk)
     anchors, valid = sample_anchors(batch["loss_mask"], batch["doc_ids"], max_anchors, anchor_generator(seed, step))
-    blocks = make_blocks(
+    return batch, blocks_at(dflash, batch, anchors, valid)
+
+
+def blocks_at(
+    dflash: torch.nn.Module, batch: dict[str, torch.Tensor], anchors: torch.Tensor, valid: torch.Tensor
+) -> Blocks:
+    """The drafter's blocks anchored at ``anchors`` (B, N) where ``valid``."""
+    return make_blocks(
         batch["input_ids"],
         batch["loss_mask"],
         batch["position_ids"],
@@ -48,7 +55,6 @@ def block_batch(
         dflash.block_size,
         dflash.mask_token_id,
     )
-    return batch, blocks
 
 
 def block_hidden(

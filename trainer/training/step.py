@@ -28,8 +28,8 @@ from trainer.data.pack import collate
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.target import Target
-from trainer.training.block_batches import make_blocks, slot_weights
-from trainer.training.block_losses import block_batch, dflash_loss, treeflash_loss
+from trainer.training.block_batches import slot_weights
+from trainer.training.block_losses import block_batch, blocks_at, dflash_loss, treeflash_loss
 
 
 class NonFiniteStep(ArithmeticError):
@@ -102,11 +102,7 @@ def dflash_step(
     options: BlockStepOptions = BlockStepOptions(),
 ) -> float:
     """One DFlash step on ``batch`` (online: the target computes features); returns the loss before the step."""
-    with _stepping(drafter, optimizer):
-        batch, blocks = block_batch(drafter, target, batch, options.topk, options.max_anchors, options.seed, step)
-        weights = slot_weights(drafter.block_size, options.gamma, device=batch["input_ids"].device)
-        loss, *_ = dflash_loss(drafter, target, batch, blocks, weights, options.loss)
-        return _apply(loss, optimizer)
+    return _block_step(drafter, target, batch, optimizer, step, options)
 
 
 def treeflash_step(
@@ -118,12 +114,25 @@ def treeflash_step(
     options: BlockStepOptions = BlockStepOptions(),
 ) -> float:
     """One TreeFlash step (forward KL of the corrected distribution); ``options.loss`` is not read."""
-    backbone = drafter.model
+    return _block_step(drafter, target, batch, optimizer, step, options)
+
+
+def _family_loss(drafter, target, batch, blocks, options) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, logits (B, N, K, V)) of the drafter's family; TreeFlash's logits are the corrected ones."""
+    backbone = drafter.model if isinstance(drafter, TreeFlashDraftModel) else drafter
+    weights = slot_weights(backbone.block_size, options.gamma, device=batch["input_ids"].device)
+    if isinstance(drafter, TreeFlashDraftModel):
+        loss, _, logits, *_ = treeflash_loss(drafter, target, batch, blocks, weights)
+    else:
+        loss, logits, *_ = dflash_loss(drafter, target, batch, blocks, weights, options.loss)
+    return loss, logits
+
+
+def _block_step(drafter, target, batch, optimizer, step: int, options: BlockStepOptions) -> float:
+    backbone = drafter.model if isinstance(drafter, TreeFlashDraftModel) else drafter
     with _stepping(drafter, optimizer):
         batch, blocks = block_batch(backbone, target, batch, options.topk, options.max_anchors, options.seed, step)
-        weights = slot_weights(backbone.block_size, options.gamma, device=batch["input_ids"].device)
-        loss, *_ = treeflash_loss(drafter, target, batch, blocks, weights)
-        return _apply(loss, optimizer)
+        return _apply(_family_loss(drafter, target, batch, blocks, options)[0], optimizer)
 
 
 @torch.no_grad()
@@ -138,20 +147,6 @@ def block_logits(
     ``anchor + k``), computed by the family's loss function; TreeFlash's are the corrected ones, teacher-forced on
     the batch's tokens. No gradient, nothing stepped. Shape: anchors (B, N) → (B, N, K, V)
     """
-    tree = isinstance(drafter, TreeFlashDraftModel)
-    backbone = drafter.model if tree else drafter
+    backbone = drafter.model if isinstance(drafter, TreeFlashDraftModel) else drafter
     batch = with_features(batch, target, options.topk)
-    blocks = make_blocks(
-        batch["input_ids"],
-        batch["loss_mask"],
-        batch["position_ids"],
-        batch["doc_ids"],
-        anchors,
-        anchors >= 0,
-        backbone.block_size,
-        backbone.mask_token_id,
-    )
-    weights = slot_weights(backbone.block_size, options.gamma, device=anchors.device)
-    if tree:
-        return treeflash_loss(drafter, target, batch, blocks, weights)[2]
-    return dflash_loss(drafter, target, batch, blocks, weights, options.loss)[1]
+    return _family_loss(drafter, target, batch, blocks_at(backbone, batch, anchors, anchors >= 0), options)[1]
