@@ -132,6 +132,7 @@ def run_policy(name: str, stream, args, target, drafter_dir: Path, step_cost: fl
             ref = None if name == "greedy" else ref
         daemon.commit()
     server.writer.close()
+    daemon.close()
     return {"tokens": tokens, "seconds": clock, "updates": updates, "update_seconds": update_seconds, "taus": taus}
 
 

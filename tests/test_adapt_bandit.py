@@ -215,6 +215,7 @@ def test_rollback_when_the_new_version_is_worse(tmp_path):
     assert daemon.state["version"] == 1
     pending = {"decision": 1, "arm": "full-1", "tau_before": 3.0, "headroom": 1.0, "tau_new": 3.5, "shadow_gain": 0.5}
     v2 = publish(tmp_path / "pub", daemon.drafter.save_pretrained, {"kind": "drafter", "decision": pending})
+    daemon.close()
     _write_log(tmp_path / "logs", "seg-000001-1000", v2, accepted=[1])  # τ 2 < 3 - margin
     restarted = _daemon(tmp_path)  # adopts v2 and its pending decision from the manifest
     assert restarted.state["version"] == v2 and restarted.state["pending"]["tau_before"] == 3.0
@@ -235,6 +236,7 @@ def test_alarm_on_a_zeroed_drafter_and_on_collapsed_tau(tmp_path):
         for p in zeroed.parameters():
             p.zero_()
     publish(tmp_path / "pub", zeroed.save_pretrained, {"kind": "drafter"})
+    daemon.close()
     restarted = _daemon(tmp_path)
     assert restarted.run(once=True) == ALARM_EXIT
     assert json.loads((tmp_path / "state" / "metrics.json").read_text())["alarm"]
@@ -244,6 +246,7 @@ def test_alarm_on_a_zeroed_drafter_and_on_collapsed_tau(tmp_path):
     (other / "logs").mkdir(parents=True)
     daemon = _daemon(other)
     v2 = publish(other / "pub", daemon.drafter.save_pretrained, {"kind": "drafter"})
+    daemon.close()
     _write_log(other / "logs", "seg-000001-1000", v2, accepted=[0])
     restarted = _daemon(other)
     assert restarted.run(once=True) == ALARM_EXIT
@@ -286,6 +289,7 @@ def test_restart_after_sigkill_loses_nothing(tmp_path):
     for _ in range(2):  # the restart, then a run with nothing new to count
         daemon = BanditDaemon(logs, DFLASH_TINY, tmp_path / "pub", tmp_path / "pub" / ".state", TINY_TARGET, config)
         assert daemon.run(once=True) == 0
+        daemon.close()
     state = json.loads((tmp_path / "pub" / ".state" / "state.json").read_text())
     assert state["requests"] == 9 and state["quarantined"] == 6
     quarantine = (tmp_path / "pub" / ".state" / "quarantine.jsonl").read_text().splitlines()

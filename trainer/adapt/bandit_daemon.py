@@ -25,12 +25,10 @@ with the decision stored in its manifest, so a kill at any point loses nothing a
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
 import random
-import signal
 import threading
 import time
 from dataclasses import asdict
@@ -60,10 +58,11 @@ from trainer.adapt.bandit import (
     step_tokens,
 )
 from trainer.adapt.graft import StateError
-from trainer.adapt.journal import append_lines, quarantine_lines, truncate_to
-from trainer.adapt.publish import publish, read_current, read_manifest, write_atomic
+from trainer.adapt.journal import append_lines, lock_state_dir, quarantine_lines, run_until_signalled, truncate_to
+from trainer.adapt.publish import publish, read_current, read_manifest
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
+from trainer.io import write_text_atomic
 from trainer.paths import project_path
 from trainer.spec.drafting import load_drafter
 from trainer.target import Target, load_causal_lm
@@ -135,6 +134,7 @@ class BanditDaemon:
             self.state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UserError(f"cannot create the state directory {self.state_dir}: {e.strerror}") from e
+        self._lock = lock_state_dir(self.state_dir, "bandit")
         model = load_causal_lm(str(project_path(target)), "float32")
         self.vocab_size = model.config.vocab_size
         self.state = self._load_state() or self._fresh_state(Path(drafter))
@@ -148,6 +148,10 @@ class BanditDaemon:
         self.reader = LogReader(self.logs, self.state["offsets"], vocab_size=self.vocab_size)
         self.stop = threading.Event()
         self.alarm: str | None = None
+
+    def close(self) -> None:
+        """Release the state directory."""
+        self._lock.close()
 
     # ---- state -------------------------------------------------------------------------------------------
     def _fresh_state(self, drafter_dir: Path) -> dict:
@@ -202,8 +206,8 @@ class BanditDaemon:
     def commit(self) -> None:
         self.state["offsets"] = dict(self.reader.offsets)
         try:
-            write_atomic(self.state_dir / STATE_FILE, json.dumps(self.state).encode())
-            write_atomic(self.state_dir / METRICS, json.dumps(self.metrics(), indent=1).encode())
+            write_text_atomic(self.state_dir / STATE_FILE, json.dumps(self.state))
+            write_text_atomic(self.state_dir / METRICS, json.dumps(self.metrics(), indent=1))
         except OSError as e:
             raise StateError(f"cannot write the bandit state into {self.state_dir}: {e.strerror}") from e
 
@@ -500,7 +504,7 @@ def run_bandit(
 ) -> int:
     """The ``trainer adapt bandit`` command: SIGTERM/SIGINT finish the current decision, commit, exit 0."""
     daemon = BanditDaemon(logs, drafter, publish_dir, state_dir or Path(publish_dir) / ".state", target, config)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(ValueError):  # not the main thread
-            signal.signal(sig, lambda *_: daemon.stop.set())
-    return daemon.run(once, poll_seconds)
+    try:
+        return run_until_signalled(daemon.stop, lambda: daemon.run(once, poll_seconds))
+    finally:
+        daemon.close()

@@ -35,10 +35,8 @@ commit. Decay is counted in lines, not batches, so it does not depend on boundar
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
-import signal
 import threading
 import time
 import uuid
@@ -54,7 +52,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save, save_file
 
 from trainer.adapt.candidates import SCALE, CandidateTable
-from trainer.adapt.journal import append_lines, quarantine_lines, truncate_to
+from trainer.adapt.journal import append_lines, lock_state_dir, quarantine_lines, run_until_signalled, truncate_to
 from trainer.adapt.publish import (
     ADJACENCY,
     ADJACENCY_TENSOR,
@@ -391,13 +389,7 @@ class GraftDaemon:
             self.state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UserError(f"cannot create the state directory {self.state_dir}: {e.strerror}") from e
-        # One daemon per state directory: a second would commit over the first's offsets.
-        self._lock = open(self.state_dir / ".lock", "a")  # noqa: SIM115 (held for the daemon's life)
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise UserError(f"another graft daemon uses the state directory {self.state_dir}") from None
+        self._lock = lock_state_dir(self.state_dir, "graft")
         path = self.state_dir / STATE_FILE
         self.state = (
             GraftState.from_file(path, vocab_size, config) if path.exists() else GraftState.fresh(vocab_size, config)
@@ -601,10 +593,7 @@ def run_graft(
         poll_seconds,
         keep,
     )
-    previous = {sig: signal.signal(sig, lambda *_: daemon.stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return daemon.run(once)
+        return run_until_signalled(daemon.stop, lambda: daemon.run(once))
     finally:
         daemon.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
