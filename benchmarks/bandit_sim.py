@@ -92,7 +92,7 @@ def run_policy(name: str, stream, args, target, drafter_dir: Path, step_cost: fl
     daemon = BanditDaemon(logs, drafter_dir, publish_dir, root / "state", TARGET, config)
     server = Server(target, logs, publish_dir, args.new_tokens, args.budget)
     full = next(a for a in DEFAULT_ARMS if a.params == "full")
-    tokens, clock, updates, update_seconds, taus = 0, 0.0, 0, 0.0, []
+    tokens, clock, updates, rollbacks, update_seconds, taus = 0, 0.0, 0, 0, 0.0, []
     ref, since_update = None, 0
     for i, (phase, prompt) in enumerate(stream):
         n, steps, _ = server.serve(i, prompt)
@@ -102,7 +102,6 @@ def run_policy(name: str, stream, args, target, drafter_dir: Path, step_cost: fl
         since_update += 1
         daemon.read()
         if name == "bandit":
-            before = daemon.state["version"]
             journal = daemon.state_dir / "decisions.jsonl"
             offset = journal.stat().st_size if journal.exists() else 0
             daemon.decide()
@@ -111,7 +110,8 @@ def run_policy(name: str, stream, args, target, drafter_dir: Path, step_cost: fl
             spent = sum(e.get("update_seconds", 0.0) for e in new)
             update_seconds += spent
             clock += spent
-            updates += daemon.state["version"] != before
+            updates += sum(e.get("published") is not None for e in new if e["event"] == "decision")
+            rollbacks += sum("rolled_back_to" in e for e in new)
             continue
         live = daemon._live(daemon.state["version"])
         if live.full and ref is None:
@@ -133,7 +133,14 @@ def run_policy(name: str, stream, args, target, drafter_dir: Path, step_cost: fl
         daemon.commit()
     server.writer.close()
     daemon.close()
-    return {"tokens": tokens, "seconds": clock, "updates": updates, "update_seconds": update_seconds, "taus": taus}
+    return {
+        "tokens": tokens,
+        "seconds": clock,
+        "updates": updates,
+        "rollbacks": rollbacks,
+        "update_seconds": update_seconds,
+        "taus": taus,
+    }
 
 
 def _new_entries(path: Path, offset: int) -> list[dict]:
@@ -197,15 +204,15 @@ def main() -> None:
 
 def report(results: dict, out: Path) -> None:
     base = results.get("never")
-    print(f"\n{'policy':>9} | tok/sim-s | vs never | updates | τ stdlib | τ markdown")
+    print(f"\n{'policy':>9} | tok/sim-s | vs never | updates | rollbacks | τ stdlib | τ markdown")
     for name, r in results.items():
         rate = r["tokens"] / r["seconds"]
         ratio = rate / (base["tokens"] / base["seconds"]) if base else float("nan")
         by_phase = {
             ph: statistics.mean(t["tau"] for t in r["taus"] if t["phase"] == ph) for ph in ("stdlib", "markdown")
         }
-        print(f"{name:>9} | {rate:9.2f} | {ratio:7.3f}x | {r['updates']:7d} | {by_phase['stdlib']:8.2f} | "
-              f"{by_phase['markdown']:10.2f}")  # fmt: skip
+        print(f"{name:>9} | {rate:9.2f} | {ratio:7.3f}x | {r['updates']:7d} | {r['rollbacks']:9d} | "
+              f"{by_phase['stdlib']:8.2f} | {by_phase['markdown']:10.2f}")  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")
