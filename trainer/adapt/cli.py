@@ -54,8 +54,8 @@ def graft_parser() -> ArgumentParser:
     return p
 
 
-def bandit_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def bandit_parser() -> ArgumentParser:
+    p = ArgumentParser(
         prog="trainer adapt bandit",
         description=bandit_daemon.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
