@@ -1,18 +1,25 @@
-"""``trainer adapt graft``: argument parsing for the adaptation daemons (the daemons live beside it).
+"""``trainer adapt graft`` and ``trainer adapt bandit``: argument parsing for the adaptation daemons (the
+daemons live beside it).
 
 trainer adapt graft --logs runs/logs --publish runs/adjacency --once
+trainer adapt bandit --logs runs/logs --drafter checkpoints/dflash_tiny --publish runs/drafters --once
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from dataclasses import asdict
 from pathlib import Path
 
-from trainer.adapt import graft
+from trainer.adapt import bandit_daemon, graft
+from trainer.adapt.bandit import BanditConfig
+from trainer.adapt.bandit_daemon import run_bandit
 from trainer.adapt.graft import DEFAULT_TARGET, GraftConfig, run_graft
 from trainer.errors import ArgumentParser, UserError
 
 DEFAULTS = GraftConfig()
+BANDIT = BanditConfig()
 
 
 def graft_parser() -> ArgumentParser:
@@ -47,12 +54,39 @@ def graft_parser() -> ArgumentParser:
     return p
 
 
+def bandit_parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog="trainer adapt bandit",
+        description=bandit_daemon.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--logs", type=Path, required=True, help="verifier log directory (segments *.jsonl[.part])")
+    p.add_argument("--drafter", type=Path, required=True, help="DFlash or TreeFlash HF directory served first")
+    p.add_argument("--publish", type=Path, required=True, help="drafter versions: PUBLISH/current, PUBLISH/vNNNNNN")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="target HF directory (frozen; features and teacher)")
+    p.add_argument("--state", type=Path, default=None, help="state directory (default PUBLISH/.state)")
+    p.add_argument("--once", action="store_true", help="read what is there, decide once, exit (default: tail)")
+    p.add_argument("--poll-seconds", type=float, default=1.0, help="idle wait between looks at the log directory")
+    g = p.add_argument_group("decision")
+    for name, value in asdict(BANDIT).items():
+        g.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    return p
+
+
 def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: trainer adapt graft --logs DIR --publish DIR [--once] (--help for all options)")
+        print("       trainer adapt bandit --logs DIR --drafter DIR --publish DIR [--state DIR] [--once]")
+        return
+    if argv[0] == "bandit":
+        args = bandit_parser().parse_args(argv[1:])
+        config = BanditConfig(**{name: getattr(args, name) for name in asdict(BANDIT)})
+        code = run_bandit(args.logs, args.drafter, args.publish, args.state, args.once, args.target, config)
+        if code:
+            sys.exit(code)
         return
     if argv[0] != "graft":
-        raise UserError(f"unknown daemon 'trainer adapt {argv[0]}'; available: graft")
+        raise UserError(f"unknown daemon 'trainer adapt {argv[0]}'; available: graft, bandit")
     args = graft_parser().parse_args(argv[1:])
     config = GraftConfig(
         width=args.width,

@@ -35,10 +35,8 @@ commit. Decay is counted in lines, not batches, so it does not depend on boundar
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
-import signal
 import threading
 import time
 import uuid
@@ -54,6 +52,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save, save_file
 
 from trainer.adapt.candidates import SCALE, CandidateTable
+from trainer.adapt.journal import append_lines, lock_state_dir, quarantine_lines, run_until_signalled, truncate_to
 from trainer.adapt.publish import (
     ADJACENCY,
     ADJACENCY_TENSOR,
@@ -390,13 +389,7 @@ class GraftDaemon:
             self.state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UserError(f"cannot create the state directory {self.state_dir}: {e.strerror}") from e
-        # One daemon per state directory: a second would commit over the first's offsets.
-        self._lock = open(self.state_dir / ".lock", "a")  # noqa: SIM115 (held for the daemon's life)
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise UserError(f"another graft daemon uses the state directory {self.state_dir}") from None
+        self._lock = lock_state_dir(self.state_dir, "graft")
         path = self.state_dir / STATE_FILE
         self.state = (
             GraftState.from_file(path, vocab_size, config) if path.exists() else GraftState.fresh(vocab_size, config)
@@ -415,24 +408,14 @@ class GraftDaemon:
 
     def _truncate_quarantine(self) -> None:
         """Drop quarantine lines written after the last commit: the restart reads those log lines again."""
-        path = self.state_dir / QUARANTINE
-        if path.exists() and path.stat().st_size > self.state.quarantine_bytes:
-            with open(path, "r+b") as f:
-                f.truncate(self.state.quarantine_bytes)
+        truncate_to(self.state_dir / QUARANTINE, self.state.quarantine_bytes)
 
     def _quarantine(self, errors: list[RecordError]) -> None:
         """Append rejected lines durably before the batch is applied (a restart cuts back what was not
         committed, so a failure here loses nothing)."""
-        lines = "".join(
-            json.dumps({"file": f"{e.file}.jsonl", "offset": e.offset, "reason": e.reason}) + "\n" for e in errors
-        )
         path = self.state_dir / QUARANTINE
         try:
-            with open(path, "ab") as f:
-                f.write(lines.encode())
-                f.flush()
-                os.fsync(f.fileno())
-                self.state.quarantine_bytes = f.tell()
+            self.state.quarantine_bytes = append_lines(path, quarantine_lines(errors))
         except OSError as e:
             raise StateError(f"cannot append to {path}: {e.strerror}; restart once it is writable") from e
         self.state.counters.quarantined += len(errors)
@@ -610,10 +593,7 @@ def run_graft(
         poll_seconds,
         keep,
     )
-    previous = {sig: signal.signal(sig, lambda *_: daemon.stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return daemon.run(once)
+        return run_until_signalled(daemon.stop, lambda: daemon.run(once))
     finally:
         daemon.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

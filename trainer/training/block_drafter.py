@@ -13,16 +13,12 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from trainer.data.features import teacher_at, with_features
 from trainer.losses import forward_kl_topk, topk_coverage, tvd_topk
 from trainer.training.block_batches import (
     Blocks,
-    anchor_generator,
-    block_attention_mask,
-    make_blocks,
-    sample_anchors,
     slot_weights,
 )
+from trainer.training.block_losses import block_batch
 from trainer.training.frozen_target import FrozenTargetTraining
 from trainer.training.metrics import show_table
 
@@ -58,44 +54,11 @@ class BlockDrafterTraining(FrozenTargetTraining):
 
     # ---- batches ------------------------------------------------------------------------------------------
     def _blocks(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Blocks]:
-        batch = with_features(batch, self.target, self.topk)
-        generator = anchor_generator(self.seed, self.global_step if self.training else None)
-        anchors, valid = sample_anchors(batch["loss_mask"], batch["doc_ids"], self.max_anchors, generator)
-        blocks = make_blocks(
-            batch["input_ids"],
-            batch["loss_mask"],
-            batch["position_ids"],
-            batch["doc_ids"],
-            anchors,
-            valid,
-            self.dflash.block_size,
-            self.dflash.mask_token_id,
-        )
-        return batch, blocks
-
-    def block_hidden(self, batch: dict[str, torch.Tensor], blocks: Blocks) -> torch.Tensor:
-        """The drafter's pre-norm hidden states of every block slot. Shape: (B, N, K, H)"""
-        b, n, k = blocks.tokens.shape
-        dtype = self.dflash.fc.weight.dtype
-        noise = self.target.embed_tokens(blocks.tokens.flatten(1)).to(dtype)
-        positions = torch.cat([batch["position_ids"], blocks.positions.flatten(1)], dim=1)
-        mask = block_attention_mask(batch["doc_ids"], blocks, dtype=dtype)
-        hidden = self.dflash(
-            noise_embedding=noise,
-            target_hidden=batch["features"].to(dtype),
-            position_ids=positions,
-            attention_mask=mask,
-            return_prenorm=True,
-        )
-        return hidden.view(b, n, k, -1)
+        step = self.global_step if self.training else None
+        return block_batch(self.dflash, self.target, batch, self.topk, self.max_anchors, self.seed, step)
 
     def logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:
         return self.target.lm_head(normed_hidden)
-
-    @staticmethod
-    def teacher(batch: dict[str, torch.Tensor], blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher top-k ids and log-probs for every slot (target distribution at a+k-1). Shape: (B, N, K, k)"""
-        return teacher_at(batch, blocks.teacher_index)
 
     def slot_weights(self) -> torch.Tensor:
         return slot_weights(self.dflash.block_size, self.gamma, device=self.device)

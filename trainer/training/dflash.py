@@ -14,9 +14,9 @@ from transformers import PreTrainedModel
 
 from trainer.drafters.dflash import DFlashDraftModel, build_config
 from trainer.errors import UserError
-from trainer.losses import cross_entropy, forward_kl_topk, weighted_slot_mean
 from trainer.paths import project_path
 from trainer.training.block_drafter import BlockDrafterTraining
+from trainer.training.block_losses import dflash_loss
 
 
 class DFlashTraining(BlockDrafterTraining):
@@ -79,10 +79,10 @@ class DFlashTraining(BlockDrafterTraining):
 
     def _slot_losses(self, batch):
         batch, blocks = self._blocks(batch)
-        logits = self.logits(self.drafter.norm(self.block_hidden(batch, blocks)))
-        t_ids, t_lp = self.teacher(batch, blocks)
-        per_slot = forward_kl_topk(logits, t_ids, t_lp) if self.loss == "kl" else cross_entropy(logits, blocks.labels)
-        return weighted_slot_mean(per_slot, blocks.label_mask, self.slot_weights()), logits, blocks, t_ids, t_lp
+        loss, logits, t_ids, t_lp = dflash_loss(
+            self.drafter, self.target, batch, blocks, self.slot_weights(), self.loss
+        )
+        return loss, logits, blocks, t_ids, t_lp
 
     def training_step(self, batch, batch_idx):
         loss, logits, blocks, _, _ = self._slot_losses(batch)

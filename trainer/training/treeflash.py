@@ -18,9 +18,9 @@ from transformers import PretrainedConfig, PreTrainedModel
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
-from trainer.losses import forward_kl_topk, weighted_slot_mean
 from trainer.paths import project_path
 from trainer.training.block_drafter import BlockDrafterTraining
+from trainer.training.block_losses import treeflash_loss
 
 
 class TreeFlashTraining(BlockDrafterTraining):
@@ -71,13 +71,9 @@ class TreeFlashTraining(BlockDrafterTraining):
 
     def _forward(self, batch):
         batch, blocks = self._blocks(batch)
-        hidden = self.block_hidden(batch, blocks)
-        normed = self.dflash.norm(hidden)
-        prev = self.target.embed_tokens(blocks.prev_tokens).to(hidden.dtype)
-        corrected = self.logits(self.drafter.correct(hidden, normed, prev))
-        t_ids, t_lp = self.teacher(batch, blocks)
-        kl = forward_kl_topk(corrected, t_ids, t_lp)
-        loss = weighted_slot_mean(kl, blocks.label_mask, self.slot_weights())
+        loss, normed, corrected, t_ids, t_lp = treeflash_loss(
+            self.drafter, self.target, batch, blocks, self.slot_weights()
+        )
         return loss, normed, corrected, blocks, t_ids, t_lp
 
     def training_step(self, batch, batch_idx):

@@ -1,0 +1,298 @@
+"""The bandit drafter updater: the training-step API, gain/cost estimates, the decision rule, rollback, the
+alarm, restart after SIGKILL."""
+
+import copy
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, TINY_TARGET
+
+from trainer.adapt.bandit import (
+    SKIP,
+    Arm,
+    ArmStats,
+    BanditConfig,
+    LiveTau,
+    Rates,
+    acceptance,
+    collapsed,
+    cost_tokens,
+    expected_accepted,
+    gain_tokens,
+    plan,
+    rolled_back,
+    step_seconds,
+    step_tokens,
+)
+from trainer.adapt.bandit_daemon import ALARM_EXIT, BanditDaemon
+from trainer.adapt.publish import publish, read_current, read_manifest
+from trainer.training.dflash import DFlashTraining
+from trainer.training.step import BlockStepOptions, NonFiniteStep, context_batch, dflash_step, treeflash_step
+from trainer.training.treeflash import TreeFlashTraining
+from trainer.vlog.schema import request_record, step_record
+
+DFLASH_TINY = ROOT / "checkpoints" / "dflash_tiny"
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(5, 200, (40,), generator=g).tolist(), torch.randint(5, 200, (28,), generator=g).tolist()]
+    return context_batch(seqs, [10, 6], pad_id=0)
+
+
+@pytest.mark.parametrize("family", ["dflash", "treeflash"])
+def test_step_api_equals_one_lightning_training_step(family):
+    """Same batch, same (seed, step): the API's loss and updated weights equal the LightningModule's step."""
+    common = dict(target=str(TINY_TARGET), topk=8, max_anchors=4, gamma=4.0, seed=3)
+    if family == "dflash":
+        module = DFlashTraining(init_from=str(DFLASH_TINY), loss="kl", **common)
+        options, step_fn = BlockStepOptions(topk=8, max_anchors=4, gamma=4.0, seed=3, loss="kl"), dflash_step
+    else:
+        module = TreeFlashTraining(backbone=str(DFLASH_TINY), freeze_backbone=False, **common)
+        options, step_fn = BlockStepOptions(topk=8, max_anchors=4, gamma=4.0, seed=3), treeflash_step
+    module.configure_model()
+    module.train()
+    start = copy.deepcopy(module.drafter)
+    api_drafter = copy.deepcopy(module.drafter)
+    batch = _batch()
+
+    opt = torch.optim.SGD(module.trainable_parameters(), lr=0.5)
+    loss = module.training_step(batch, 0)
+    loss.backward()
+    opt.step()
+
+    params = [p for p in api_drafter.parameters() if p.requires_grad]
+    api_loss = step_fn(api_drafter, module.target, batch, torch.optim.SGD(params, lr=0.5), step=0, options=options)
+    assert api_loss == pytest.approx(float(loss), rel=1e-6)
+    for (name, a), b in zip(module.drafter.named_parameters(), api_drafter.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    # A step that moved nothing would make the comparison vacuous.
+    assert any(not torch.equal(a, b) for a, b in zip(start.parameters(), api_drafter.parameters(), strict=True))
+
+
+def test_step_api_subset_and_non_finite_leave_weights():
+    module = TreeFlashTraining(target=str(TINY_TARGET), backbone=str(DFLASH_TINY), topk=8, max_anchors=4)
+    module.configure_model()
+    drafter = module.drafter
+    drafter.model.requires_grad_(True)
+    before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
+    opt = torch.optim.SGD(drafter.ar_approximation.parameters(), lr=0.5)
+    treeflash_step(drafter, module.target, _batch(), opt, step=0, options=BlockStepOptions(topk=8, max_anchors=4))
+    changed = {n for n, p in drafter.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(n.startswith("ar_approximation.") for n in changed), changed
+    assert all(p.requires_grad for p in drafter.model.parameters())  # the subset's freezing is undone
+    with torch.no_grad():
+        next(drafter.ar_approximation.parameters()).fill_(float("nan"))
+    snapshot = {n: p.detach().clone() for n, p in drafter.named_parameters()}
+    with pytest.raises(NonFiniteStep):
+        treeflash_step(drafter, module.target, _batch(), opt, step=1, options=BlockStepOptions(topk=8, max_anchors=4))
+    for n, p in drafter.named_parameters():
+        torch.testing.assert_close(p, snapshot[n], equal_nan=True)
+
+
+# ---- the bandit core: estimates with known answers ------------------------------------------------------------
+def _step(request: str, version: int, pos: int, root: int, accepted: int, depth: int = 4, ms=(10.0, 5.0, 85.0)):
+    """A chain step record: ``depth`` draft nodes, the first ``accepted`` of them accepted."""
+    k = 8
+    return step_record(
+        server="s", request=request, tenant=None, shareable=True, step=0, drafter="d", drafter_version=version,
+        tree="chain", budget=depth, pos=pos, root=root, tokens=[7 + i for i in range(depth)],
+        parents=list(range(-1, depth - 1)), accepted=list(range(accepted)), bonus=5,
+        topk_ids=[[10 + j for j in range(k)] for _ in range(depth + 1)],
+        topk_logprobs=[[math.log(0.5)] + [math.log(0.5 / (k - 1))] * (k - 1) for _ in range(depth + 1)],
+        ms=dict(zip(("draft", "tree", "verify"), ms, strict=True)),
+    )  # fmt: skip
+
+
+def test_step_tokens_seconds_and_rates_known_answers():
+    record = _step("r", 1, 0, 0, accepted=2)
+    assert step_tokens(record) == 3 and step_seconds(record) == pytest.approx(0.1)
+    live = LiveTau(window=2)
+    for accepted in (0, 3, 1):
+        live.add(step_tokens(_step("r", 1, 0, 0, accepted)), 0.1)
+    assert live.full and live.tau == pytest.approx(3.0) and live.steps == 3  # window: the last two steps (4, 2)
+    rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
+    config = BanditConfig(horizon_requests=10)
+    # θ = 20 tok/s, horizon 10 / 0.5 = 20 s: 400 tokens; τ 2 → 3 serves half as many more.
+    assert rates.throughput == pytest.approx(20.0) and rates.horizon_seconds(config) == pytest.approx(20.0)
+    assert gain_tokens(rates, 3.0, config) == pytest.approx(200.0)
+    assert gain_tokens(rates, 1.5, config) == pytest.approx(-100.0)
+    assert cost_tokens(rates, 1.5) == pytest.approx(30.0)
+
+
+def test_shadow_acceptance_and_expected_tokens_known_answers():
+    ids = torch.tensor([[3, 4]])
+    logprobs = torch.tensor([[math.log(0.6), math.log(0.3)]])
+    same = torch.full((1, 6), -1e9)
+    same[0, 3], same[0, 4], same[0, 5] = math.log(0.6), math.log(0.3), math.log(0.1)
+    assert float(acceptance(same, ids, logprobs)) == pytest.approx(0.9)  # the target's top-2 mass
+    elsewhere = torch.full((1, 6), -1e9)
+    elsewhere[0, 0] = 0.0
+    assert float(acceptance(elsewhere, ids, logprobs)) == pytest.approx(0.0, abs=1e-6)
+    alpha = torch.tensor([[0.5, 0.5, 0.5], [1.0, 1.0, 1.0]])
+    # 1 + 0.5 + 0.25 (cut at depth 2); 1 + 1 + 1 + 1
+    torch.testing.assert_close(expected_accepted(alpha, torch.tensor([2, 3])), torch.tensor([1.75, 4.0]))
+
+
+@pytest.mark.parametrize("seconds", [0.5, 2.0, 8.0, 40.0])
+def test_plan_updates_exactly_when_expected_net_gain_is_positive(seconds):
+    config = BanditConfig(horizon_requests=10, swap_seconds=0.0)
+    arms = (Arm("a", "full", 4, 1e-3),)
+    stats = {"a": ArmStats.fresh(config)}
+    stats["a"].measured(seconds)
+    rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
+    choice, (estimate,) = plan(rates, 3.0, arms, stats, config)
+    # Optimistic recovery (prior 0.5 + 1 sd 0.5 / sqrt(1)) = 1.0 of headroom 1: τ 3, gain 200 tokens; cost 20·s.
+    assert estimate.tau_gain == pytest.approx(1.0)
+    assert estimate.gain == pytest.approx(200.0) and estimate.cost == pytest.approx(20.0 * seconds)
+    assert (choice == "a") == (estimate.net > 0) == (seconds < 10)
+    assert plan(rates, 2.0, arms, stats, config)[0] == SKIP  # no headroom, no update
+
+
+def test_plan_learns_from_realised_outcomes():
+    config = BanditConfig(horizon_requests=10, swap_seconds=0.0)
+    arms = (Arm("a", "full", 4, 1e-3), Arm("b", "lora", 4, 1e-3))
+    stats = {"a": ArmStats.fresh(config), "b": ArmStats.fresh(config)}
+    stats["a"].measured(1.0)
+    stats["b"].measured(2.0)
+    rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
+    assert plan(rates, 3.0, arms, stats, config)[0] == "a"  # same prior, cheaper
+    for realised in (-0.1, 0.0, -0.2, 0.05):  # "a" never recovered anything
+        stats["a"].recovery.add(realised)
+    assert plan(rates, 3.0, arms, stats, config)[0] == "b"
+    for realised in (-0.1, 0.0, 0.0, -0.1):
+        stats["b"].recovery.add(realised)
+    assert plan(rates, 3.0, arms, stats, config)[0] == SKIP
+
+
+def test_rollback_and_collapse_rules():
+    config = BanditConfig(rollback_margin=0.1, collapse_ratio=0.5, collapse_tau=1.0)
+    assert rolled_back(3.0, 2.85, config) and not rolled_back(3.0, 2.95, config)
+    assert collapsed(1.0, 1.2, config) and collapsed(1.4, 3.0, config)
+    assert not collapsed(2.0, 3.0, config) and not collapsed(1.05, 1.2, config)
+
+
+# ---- the daemon: rollback, alarm, failed update, restart after SIGKILL --------------------------------------------
+def _write_log(logs: Path, name: str, version: int, accepted: list[int], requests: int = 4, bad: int = 0) -> None:
+    """A finished segment: ``requests`` requests whose steps accept ``accepted`` (cycled) draft nodes."""
+    g = torch.Generator().manual_seed(len(name))
+    lines, a = [], 0
+    for r in range(requests):
+        prompt = torch.randint(10, 8000, (16,), generator=g).tolist()
+        output = torch.randint(10, 8000, (24,), generator=g).tolist()
+        seq = prompt + output
+        for pos in range(len(prompt) - 1, len(seq) - 6, 5):
+            lines.append(_step(f"{name}-{r}", version, pos, seq[pos], accepted[a % len(accepted)]))
+            a += 1
+        lines.append(request_record(server="s", request=f"{name}-{r}", tenant=None, shareable=True,
+                                    prompt_ids=prompt, output_ids=output))  # fmt: skip
+    text = "".join(json.dumps(x) + "\n" for x in lines) + "".join(f'{{"v": 1, "broken {i}\n' for i in range(bad))
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / f"{name}.jsonl").write_text(text)
+
+
+def _daemon(tmp_path: Path, **config) -> BanditDaemon:
+    arms = (Arm("full-1", "full", 1, 1e-4),)
+    return BanditDaemon(tmp_path / "logs", DFLASH_TINY, tmp_path / "pub", tmp_path / "state", TINY_TARGET,
+                        BanditConfig(window_steps=8, **config), arms=arms)  # fmt: skip
+
+
+def _journal(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "state" / "decisions.jsonl").read_text().splitlines()]
+
+
+def test_rollback_when_the_new_version_is_worse(tmp_path):
+    (tmp_path / "logs").mkdir()
+    daemon = _daemon(tmp_path)
+    assert daemon.state["version"] == 1
+    pending = {"decision": 1, "arm": "full-1", "tau_before": 3.0, "headroom": 1.0, "tau_new": 3.5, "shadow_gain": 0.5}
+    v2 = publish(tmp_path / "pub", daemon.drafter.save_pretrained, {"kind": "drafter", "decision": pending})
+    daemon.close()
+    _write_log(tmp_path / "logs", "seg-000001-1000", v2, accepted=[1])  # τ 2 < 3 - margin
+    restarted = _daemon(tmp_path)  # adopts v2 and its pending decision from the manifest
+    assert restarted.state["version"] == v2 and restarted.state["pending"]["tau_before"] == 3.0
+    assert restarted.run(once=True) == 0
+    version, path = read_current(tmp_path / "pub")
+    assert version == v2 + 1 and read_manifest(path)["rollback_of"] == 1
+    (outcome,) = _journal(tmp_path)
+    assert outcome["event"] == "outcome" and outcome["rolled_back_to"] == version
+    assert outcome["realised_gain"] == pytest.approx(-1.0)
+    assert restarted.state["arms"]["full-1"]["recovery"]["mean"] == pytest.approx(-1.0)
+
+
+def test_alarm_on_a_zeroed_drafter_and_on_collapsed_tau(tmp_path):
+    (tmp_path / "logs").mkdir()
+    daemon = _daemon(tmp_path)
+    zeroed = copy.deepcopy(daemon.drafter)
+    with torch.no_grad():
+        for p in zeroed.parameters():
+            p.zero_()
+    publish(tmp_path / "pub", zeroed.save_pretrained, {"kind": "drafter"})
+    daemon.close()
+    restarted = _daemon(tmp_path)
+    assert restarted.run(once=True) == ALARM_EXIT
+    assert json.loads((tmp_path / "state" / "metrics.json").read_text())["alarm"]
+    assert _journal(tmp_path)[-1]["event"] == "alarm"
+    # A drafter that serves but whose steps accept nothing: τ = 1 raises the alarm and rolls back to version 1.
+    other = tmp_path / "b"
+    (other / "logs").mkdir(parents=True)
+    daemon = _daemon(other)
+    v2 = publish(other / "pub", daemon.drafter.save_pretrained, {"kind": "drafter"})
+    daemon.close()
+    _write_log(other / "logs", "seg-000001-1000", v2, accepted=[0])
+    restarted = _daemon(other)
+    assert restarted.run(once=True) == ALARM_EXIT
+    alarm = _journal(other)[-1]
+    assert alarm["event"] == "alarm" and alarm["tau"] == pytest.approx(1.0) and alarm["rolled_back_to"] == v2 + 1
+    assert read_manifest(read_current(other / "pub")[1])["rollback_of"] == 1
+
+
+def test_failed_update_leaves_the_served_version(tmp_path):
+    _write_log(tmp_path / "logs", "seg-000001-1000", 1, accepted=[3])
+    daemon = _daemon(tmp_path, horizon_requests=1e6)
+    daemon.state["ref"]["1"] = 4.5  # τ fell from 4.5 to 4: worth an update
+    daemon.arms = (Arm("full-1", "full", 1, 1e39),)  # overflows the weights to inf
+    assert daemon.run(once=True) == 0
+    decision = _journal(tmp_path)[-1]
+    assert decision["arm"] == "full-1" and decision["published"] is None and "failed" in decision
+    assert read_current(tmp_path / "pub")[0] == 1 and daemon.state["version"] == 1
+
+
+def test_restart_after_sigkill_loses_nothing(tmp_path):
+    """Kill the daemon between publishing and committing, restart it; the end state counts every line exactly
+    once, and no version is published twice."""
+    logs = tmp_path / "logs"
+    for i in range(3):
+        _write_log(logs, f"seg-{i:06d}-{1000 + i}", 1, accepted=[2, 3], requests=3, bad=2)
+    # The adapt CLI's own entry (``trainer adapt`` minus the top-level CLI, which imports Lightning).
+    entry = "import sys; from trainer.adapt.cli import main; main(sys.argv[1:])"
+    command = [sys.executable, "-c", entry, "bandit", "--logs", str(logs), "--drafter",
+               str(DFLASH_TINY), "--publish", str(tmp_path / "pub"), "--once", "--window-steps", "1000"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # Killed right after the first version is published, before any state is committed: the restart adopts it.
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while read_current(tmp_path / "pub") is None and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (read_current(tmp_path / "pub")[1] / "config.json").is_file()
+    config = BanditConfig(window_steps=1000)
+    for _ in range(2):  # the restart, then a run with nothing new to count
+        daemon = BanditDaemon(logs, DFLASH_TINY, tmp_path / "pub", tmp_path / "pub" / ".state", TINY_TARGET, config)
+        assert daemon.run(once=True) == 0
+        daemon.close()
+    state = json.loads((tmp_path / "pub" / ".state" / "state.json").read_text())
+    assert state["requests"] == 9 and state["quarantined"] == 6
+    quarantine = (tmp_path / "pub" / ".state" / "quarantine.jsonl").read_text().splitlines()
+    assert len(quarantine) == 6 and all("reason" in json.loads(q) for q in quarantine)
+    assert len(state["live"]["1"]["recent"]) == state["live"]["1"]["steps"] == 3 * 3 * 4
+    assert read_current(tmp_path / "pub")[0] == 1

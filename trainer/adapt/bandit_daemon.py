@@ -1,0 +1,510 @@
+"""The bandit drafter updater: verifier logs in, drafter versions out, updated only when it pays.
+
+Run it on CPU next to a log directory whose step records carry the published version as
+``drafter_version``::
+
+    trainer adapt bandit --logs runs/logs --drafter checkpoints/treeflash --publish runs/drafters --once
+
+The rule (estimates in trainer/adapt/bandit.py): when the served version has a full window of live steps,
+(1) τ collapsing raises the alarm (exit code 3, a log line, ``alarm`` in the metrics) after rolling back to the
+previous version when there is one; (2) a version published by an earlier decision is judged: its live τ is
+the realised outcome that updates the arm's learnt factors, and it is rolled back when it fell below the
+previous version's τ by the margin; (3) otherwise every arm's expected net gain is estimated and the best arm
+runs if it is positive: the candidate, a copy of the served drafter, takes the arm's steps on replayed
+requests through the training-step API (trainer/training/step.py), is shadow-evaluated on held-back logged
+contexts against their logged target top-k, and is published when its predicted gain beats the swap. A failed
+or non-finite update is logged and leaves the served version as it is.
+
+State (``STATE/state.json``, replaced atomically): read offsets, the replay buffer, live τ per version, what the
+bandit learnt, the decision awaiting its outcome, and the lengths of ``STATE/quarantine.jsonl`` and
+``STATE/decisions.jsonl`` (one JSON line per decision and per outcome). A version is published before the
+state that names it is committed; a restart finds a published version the state does not know and adopts it
+with the decision stored in its manifest, so a kill at any point loses nothing and publishes no torn snapshot
+(``publish`` renames complete directories only).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from trainer.adapt.bandit import (
+    DEFAULT_ARMS,
+    SKIP,
+    Arm,
+    ArmStats,
+    BanditConfig,
+    LiveTau,
+    Rates,
+    Replay,
+    Running,
+    acceptance,
+    collapsed,
+    expected_accepted,
+    plan,
+    rolled_back,
+    shadow_tau,
+    should_publish,
+    step_seconds,
+    step_tokens,
+)
+from trainer.adapt.graft import StateError
+from trainer.adapt.journal import append_lines, lock_state_dir, quarantine_lines, run_until_signalled, truncate_to
+from trainer.adapt.publish import publish, read_current, read_manifest
+from trainer.drafters.treeflash import TreeFlashDraftModel
+from trainer.errors import UserError
+from trainer.io import write_text_atomic
+from trainer.paths import project_path
+from trainer.spec.drafting import load_drafter
+from trainer.target import Target, load_causal_lm
+from trainer.training.step import (
+    BlockStepOptions,
+    NonFiniteStep,
+    block_logits,
+    context_batch,
+    dflash_step,
+    treeflash_step,
+)
+from trainer.vlog.reader import LogReader
+from trainer.vlog.schema import RecordError
+
+STATE_FILE = "state.json"
+QUARANTINE = "quarantine.jsonl"
+DECISIONS = "decisions.jsonl"
+METRICS = "metrics.json"
+ALARM_EXIT = 3
+PENDING_REQUESTS = 512
+DEFAULT_CONFIG = BanditConfig()
+# Update steps: teacher top-32 (the TreeFlash loss is a KL over it), 8 anchors per replayed request.
+STEP_OPTIONS = BlockStepOptions(topk=32, max_anchors=8)
+LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def backbone(drafter: torch.nn.Module) -> torch.nn.Module:
+    """The DFlash module of a DFlash or TreeFlash drafter."""
+    return drafter.model if isinstance(drafter, TreeFlashDraftModel) else drafter
+
+
+def broken(drafter: torch.nn.Module) -> str | None:
+    """Why a drafter cannot be serving anything useful (non-finite or all-zero weights), else None."""
+    params = list(drafter.parameters())
+    if any(not torch.isfinite(p).all() for p in params):
+        return "non-finite weights"
+    if all(not p.any() for p in params if p.dim() > 1):
+        return "all weight matrices are zero"
+    return None
+
+
+class BanditDaemon:
+    """Reads ``logs`` from the committed offsets, decides, publishes drafter versions to ``publish_dir``."""
+
+    def __init__(
+        self,
+        logs: Path,
+        drafter: Path,
+        publish_dir: Path,
+        state_dir: Path,
+        target: str | Path,
+        config: BanditConfig = DEFAULT_CONFIG,
+        arms: tuple[Arm, ...] = DEFAULT_ARMS,
+        options: BlockStepOptions = STEP_OPTIONS,
+        batch_requests: int = 4,
+        max_length: int = 256,
+        keep: int = 5,
+        seed: int = 0,
+        console: Console | None = None,
+    ) -> None:
+        if not Path(logs).is_dir():
+            raise UserError(f"--logs {logs} is not a directory (a server or `trainer eval --logs` writes one)")
+        self.logs, self.publish_dir, self.state_dir = Path(logs), Path(publish_dir), Path(state_dir)
+        self.config, self.options, self.keep = config, options, keep
+        self.batch_requests, self.max_length = batch_requests, max_length
+        self.console = console or Console(highlight=False)
+        self.rng = random.Random(seed)
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"cannot create the state directory {self.state_dir}: {e.strerror}") from e
+        self._lock = lock_state_dir(self.state_dir, "bandit")
+        model = load_causal_lm(str(project_path(target)), "float32")
+        self.vocab_size = model.config.vocab_size
+        self.state = self._load_state() or self._fresh_state(Path(drafter))
+        self.drafter = self._served_drafter()
+        self.arms = tuple(a for a in arms if a.params != "approx" or isinstance(self.drafter, TreeFlashDraftModel))
+        for arm in self.arms:
+            self.state["arms"].setdefault(arm.name, _stats_json(ArmStats.fresh(config)))
+        self.target = Target(model, list(backbone(self.drafter).target_layer_ids))
+        truncate_to(self.state_dir / QUARANTINE, self.state["quarantine_bytes"])
+        truncate_to(self.state_dir / DECISIONS, self.state["decisions_bytes"])
+        self.reader = LogReader(self.logs, self.state["offsets"], vocab_size=self.vocab_size)
+        self.stop = threading.Event()
+        self.alarm: str | None = None
+
+    def close(self) -> None:
+        """Release the state directory."""
+        self._lock.close()
+
+    # ---- state -------------------------------------------------------------------------------------------
+    def _fresh_state(self, drafter_dir: Path) -> dict:
+        """Publish ``--drafter`` as the first version unless one is current, and start counting from it."""
+        current = read_current(self.publish_dir)
+        previous, pending = None, None
+        if current is None:
+            model = load_drafter(project_path(drafter_dir))
+            if reason := broken(model):
+                raise UserError(f"--drafter {drafter_dir}: {reason}")
+            version = publish(self.publish_dir, model.save_pretrained, {"kind": "drafter", "source": str(drafter_dir)})
+        else:
+            # Served already (a state directory lost or moved): resume from the version and its decision.
+            manifest = read_manifest(current[1])
+            version, previous, pending = current[0], manifest.get("parent"), manifest.get("decision")
+        return {
+            "offsets": {},
+            "quarantine_bytes": 0,
+            "decisions_bytes": 0,
+            "version": version,
+            "previous": previous,
+            "live": {},
+            "ref": {},
+            "arms": {},
+            "pending": pending,
+            "replay": Replay(self.config.buffer_requests, self.config.holdout_every).to_json(),
+            "pending_steps": {},
+            "requests": 0,
+            "serving_seconds": 0.0,
+            "decisions": 0,
+            "updates": 0,
+            "rollbacks": 0,
+            "quarantined": 0,
+        }
+
+    def _load_state(self) -> dict | None:
+        path = self.state_dir / STATE_FILE
+        if not path.exists():
+            return None
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise StateError(f"cannot read the bandit state {path}: {e}; move it away to start afresh") from e
+        current = read_current(self.publish_dir)
+        if current is not None and current[0] != state["version"]:
+            # Published after the last commit: adopt the version with the decision its manifest carries.
+            manifest = read_manifest(current[1])
+            state["previous"], state["version"] = manifest.get("parent", state["version"]), current[0]
+            state["pending"] = manifest.get("decision")
+        return state
+
+    def commit(self) -> None:
+        self.state["offsets"] = dict(self.reader.offsets)
+        try:
+            write_text_atomic(self.state_dir / STATE_FILE, json.dumps(self.state))
+            write_text_atomic(self.state_dir / METRICS, json.dumps(self.metrics(), indent=1))
+        except OSError as e:
+            raise StateError(f"cannot write the bandit state into {self.state_dir}: {e.strerror}") from e
+
+    def metrics(self) -> dict:
+        live = self._live(self.state["version"])
+        keys = ("version", "previous", "decisions", "updates", "rollbacks", "quarantined", "requests")
+        return {**{k: self.state[k] for k in keys}, "tau": live.tau if live.recent else None, "alarm": self.alarm}
+
+    def _served_drafter(self) -> torch.nn.Module:
+        current = read_current(self.publish_dir)
+        if current is None:
+            raise UserError(f"nothing is published under {self.publish_dir}")
+        return load_drafter(current[1])
+
+    def _live(self, version: int | None) -> LiveTau:
+        obj = self.state["live"].get(str(version))
+        return LiveTau.from_json(obj) if obj else LiveTau(self.config.window_steps)
+
+    def _log(self, entry: dict) -> None:
+        path = self.state_dir / DECISIONS
+        try:
+            self.state["decisions_bytes"] = append_lines(path, [{"time": time.time(), **entry}])
+        except OSError as e:
+            raise StateError(f"cannot append to {path}: {e.strerror}") from e
+
+    # ---- reading -----------------------------------------------------------------------------------------
+    def read(self) -> int:
+        """Apply every log line readable now; returns how many."""
+        live: dict[str, LiveTau] = {}
+        replay = Replay.from_json(self.state["replay"])
+        pending = self.state["pending_steps"]
+        errors, n = [], 0
+        for _, _, _, record in self.reader:
+            n += 1
+            if isinstance(record, RecordError):
+                errors.append(record)
+                continue
+            if record["kind"] == "step":
+                key = str(record["drafter_version"])
+                if key not in live:
+                    live[key] = self._live(key)
+                live[key].add(step_tokens(record), step_seconds(record))
+                self.state["serving_seconds"] += step_seconds(record)
+                pending.setdefault(record["request"], []).append(record)
+                while len(pending) > PENDING_REQUESTS:
+                    pending.pop(next(iter(pending)))
+            else:
+                steps = pending.pop(record["request"], [])
+                seq = record["prompt_ids"] + record["output_ids"]
+                steps = [s for s in steps if s["pos"] < len(seq) and seq[s["pos"]] == s["root"]]
+                replay.add(record["prompt_ids"], record["output_ids"], steps)
+                self.state["requests"] += 1
+        if errors:
+            path = self.state_dir / QUARANTINE
+            try:
+                self.state["quarantine_bytes"] = append_lines(path, quarantine_lines(errors))
+            except OSError as e:
+                raise StateError(f"cannot append to {path}: {e.strerror}; restart once it is writable") from e
+            self.state["quarantined"] += len(errors)
+        for key, value in live.items():
+            self.state["live"][key] = value.to_json()
+        self.state["replay"] = replay.to_json()
+        return n
+
+    # ---- deciding ----------------------------------------------------------------------------------------
+    def rates(self) -> Rates:
+        live = self._live(self.state["version"])
+        rate = self.state["requests"] / max(self.state["serving_seconds"], 1e-9)
+        return Rates(live.tau, live.step_seconds, rate)
+
+    def decide(self) -> None:
+        """One decision if the served version has a full live window (see the module docstring)."""
+        version = self.state["version"]
+        live = self._live(version)
+        if not live.full or self.state["requests"] == 0:
+            return
+        self.state["ref"].setdefault(str(version), live.tau)
+        best = max(self.state["ref"].values())
+        if collapsed(live.tau, best, self.config):
+            self._raise_alarm(live.tau, best)
+            return
+        if self.state["pending"] is not None:
+            self._judge(live)
+            return
+        self._choose(live)
+
+    def _raise_alarm(self, tau: float, best: float) -> None:
+        self.alarm = f"live tau {tau:.3f} of version {self.state['version']} collapsed (best {best:.3f})"
+        entry = {"event": "alarm", "version": self.state["version"], "tau": tau, "best_tau": best}
+        previous = self.state["previous"]
+        if previous is not None and (self.publish_dir / f"v{previous:06d}").is_dir():
+            entry["rolled_back_to"] = self._republish(previous, "alarm")
+        self._log(entry)
+        self.console.print(f"[bold red]ALARM[/] {self.alarm}", soft_wrap=True)
+
+    def _republish(self, version: int, why: str) -> int:
+        """Publish the drafter of an earlier version again, as a new version."""
+        model = load_drafter(self.publish_dir / f"v{version:06d}")
+        new = publish(self.publish_dir, model.save_pretrained, {"kind": "drafter", "rollback_of": version, "why": why})
+        self.state["previous"], self.state["version"] = None, new
+        self.state["pending"] = None
+        self.state["rollbacks"] += 1
+        self.drafter = model
+        return new
+
+    def _judge(self, live: LiveTau) -> None:
+        """The realised outcome of the last published update: learn from it, roll back if worse."""
+        pending = self.state["pending"]
+        realised = live.tau - pending["tau_before"]
+        stats = _stats(self.state["arms"][pending["arm"]])
+        if pending["headroom"] > 0:
+            stats.recovery.add(realised / pending["headroom"])
+        if abs(pending["shadow_gain"]) > 1e-6:
+            stats.correction.add(realised / pending["shadow_gain"])
+        self.state["arms"][pending["arm"]] = _stats_json(stats)
+        entry = {"event": "outcome", "decision": pending["decision"], "arm": pending["arm"], "tau": live.tau}
+        entry |= {"tau_before": pending["tau_before"], "realised_gain": realised, "predicted": pending["tau_new"]}
+        self.state["pending"] = None
+        if rolled_back(pending["tau_before"], live.tau, self.config) and self.state["previous"] is not None:
+            entry["rolled_back_to"] = self._republish(self.state["previous"], "rollback")
+        self._log(entry)
+
+    def _choose(self, live: LiveTau) -> None:
+        rates = self.rates()
+        version = self.state["version"]
+        stats = {name: _stats(obj) for name, obj in self.state["arms"].items()}
+        arm_name, estimates = plan(rates, self.state["ref"][str(version)], self.arms, stats, self.config)
+        replay = Replay.from_json(self.state["replay"])
+        if not any(r["steps"] for r in replay.holdout) or not replay.train:
+            # A candidate could be neither trained nor judged: spending the update would buy nothing.
+            arm_name = SKIP
+        self.state["decisions"] += 1
+        entry = {"event": "decision", "decision": self.state["decisions"], "version": version, "tau": rates.tau}
+        entry |= {"tau_ref": self.state["ref"][str(version)], "step_seconds": rates.step_seconds}
+        entry |= {"request_rate": rates.request_rate, "horizon_s": rates.horizon_seconds(self.config)}
+        entry |= {"estimates": [asdict(e) | {"net": e.net} for e in estimates], "arm": arm_name}
+        entry["holdout_requests"] = sum(1 for r in replay.holdout if r["steps"])
+        if arm_name == SKIP:
+            self._log(entry)
+            # A fresh window before the next look, so one stale window is not decided on twice.
+            self._reset_window(version)
+            return
+        arm = next(a for a in self.arms if a.name == arm_name)
+        started = time.perf_counter()
+        try:
+            candidate = self.train(arm)
+            served_shadow, cand_shadow = self.shadow(self.drafter), self.shadow(candidate)
+        except (NonFiniteStep, RuntimeError, ValueError) as e:
+            # An update that fails (non-finite loss, an optimiser overflow, a shape error) is logged; the served
+            # version stays.
+            candidate, served_shadow, cand_shadow, entry["failed"] = (
+                None,
+                math.nan,
+                math.nan,
+                f"{type(e).__name__}: {e}",
+            )
+        seconds = time.perf_counter() - started
+        stats[arm_name].measured(seconds)
+        stats[arm_name].tried += 1
+        self.state["arms"][arm_name] = _stats_json(stats[arm_name])
+        correction = max(0.0, stats[arm_name].correction.estimate)
+        tau_new = shadow_tau(rates, served_shadow, cand_shadow, correction)
+        entry |= {"update_seconds": seconds, "shadow_served": served_shadow, "shadow_candidate": cand_shadow}
+        entry |= {"tau_new": tau_new, "published": None}
+        if candidate is not None and (reason := broken(candidate)) is not None:
+            entry["failed"] = reason
+        elif candidate is not None and should_publish(rates, tau_new, self.config):
+            pending = {"decision": self.state["decisions"], "arm": arm_name, "tau_before": rates.tau}
+            pending |= {"headroom": max(0.0, self.state["ref"][str(version)] - rates.tau), "tau_new": tau_new}
+            pending["shadow_gain"] = cand_shadow - served_shadow
+            manifest = {"kind": "drafter", "parent_version": version, "decision": pending}
+            new = publish(self.publish_dir, candidate.save_pretrained, manifest, keep=self.keep)
+            entry["published"] = new
+            self.state["previous"], self.state["version"], self.state["pending"] = version, new, pending
+            self.state["updates"] += 1
+            self.drafter = candidate
+        self._log(entry)
+        self._reset_window(version)
+
+    def _reset_window(self, version: int) -> None:
+        live = self._live(version)
+        live.recent.clear()
+        self.state["live"][str(version)] = live.to_json()
+
+    # ---- updating ----------------------------------------------------------------------------------------
+    def _batch(self, replay: Replay) -> dict[str, torch.Tensor]:
+        picks = [self.rng.choice(replay.train) for _ in range(self.batch_requests)]
+        seqs = [(r["prompt"] + r["output"])[: self.max_length] for r in picks]
+        return context_batch(
+            seqs, [min(len(r["prompt"]), len(s) - 1) for r, s in zip(picks, seqs, strict=True)], pad_id=0
+        )
+
+    def train(self, arm: Arm) -> torch.nn.Module:
+        """A candidate: a copy of the served drafter after the arm's steps on replayed requests."""
+        replay = Replay.from_json(self.state["replay"])
+        if not replay.train:
+            raise NonFiniteStep("no replayed requests to train on")
+        candidate = copy.deepcopy(self.drafter)
+        tree = isinstance(candidate, TreeFlashDraftModel)
+        lora = None
+        if arm.params == "approx":
+            params = list(candidate.ar_approximation.parameters())
+        elif arm.params == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            lora = get_peft_model(backbone(candidate), LoraConfig(r=8, lora_alpha=16, target_modules=LORA_MODULES))
+            if tree:
+                candidate.model = lora
+            params = [p for p in lora.parameters() if p.requires_grad]
+        else:
+            params = list(candidate.parameters())
+        optimizer = torch.optim.AdamW(params, lr=arm.lr, weight_decay=0.0)
+        model = candidate if tree or lora is None else lora
+        step = treeflash_step if tree else dflash_step
+        for i in range(arm.steps):
+            step(model, self.target, self._batch(replay), optimizer, self.state["updates"] * 1000 + i, self.options)
+        if lora is not None:
+            merged = lora.merge_and_unload()
+            if tree:
+                candidate.model = merged
+            else:
+                candidate = merged
+        candidate.eval()
+        return candidate
+
+    @torch.no_grad()
+    def shadow(self, drafter: torch.nn.Module) -> float:
+        """Mean expected tokens per step of ``drafter`` on the held-back logged contexts (a chain of the
+        block's depths against the logged target top-k along each step's accepted path)."""
+        replay = Replay.from_json(self.state["replay"])
+        dflash = backbone(drafter)
+        depth = dflash.block_size - 1
+        totals = []
+        for request in replay.holdout:
+            steps = request["steps"]
+            if not steps:
+                continue
+            seq = request["prompt"] + request["output"]
+            anchors = torch.tensor([[s["pos"] for s in steps]])
+            logits = block_logits(drafter, self.target, context_batch([seq], [0], pad_id=0), anchors, self.options)
+            # Shape: (C, K-1, V) the drafter's distributions of depths 1..K-1 at each logged root
+            logits = logits[0, :, 1:]
+            k = len(steps[0]["topk_ids"][0])
+            ids = torch.zeros(len(steps), depth, k, dtype=torch.long)
+            logprobs = torch.full((len(steps), depth, k), -math.inf)
+            depths = torch.tensor([min(len(s["topk_ids"]), depth) for s in steps])
+            for c, s in enumerate(steps):
+                d = depths[c]
+                ids[c, :d] = torch.tensor(s["topk_ids"][:d])
+                logprobs[c, :d] = torch.tensor(s["topk_logprobs"][:d])
+            totals.append(expected_accepted(acceptance(logits, ids, logprobs), depths))
+        if not totals:
+            return math.nan
+        return float(torch.cat(totals).mean())
+
+    # ---- running -----------------------------------------------------------------------------------------
+    def run(self, once: bool, poll_seconds: float = 1.0) -> int:
+        """Read, decide, commit until drained (``once``) or stopped; ``ALARM_EXIT`` after an alarm, else 0."""
+        if reason := broken(self.drafter):
+            self.alarm = f"served version {self.state['version']}: {reason}"
+            self._log({"event": "alarm", "version": self.state["version"], "reason": reason})
+            self.console.print(f"[bold red]ALARM[/] {self.alarm}", soft_wrap=True)
+            self.commit()
+            return ALARM_EXIT
+        while True:
+            n = self.read()
+            self.decide()
+            self.commit()
+            if self.alarm is not None:
+                return ALARM_EXIT
+            if once or self.stop.is_set():
+                return 0
+            if n == 0:
+                self.stop.wait(poll_seconds)
+
+
+def _stats(obj: dict) -> ArmStats:
+    return ArmStats(Running(**obj["recovery"]), Running(**obj["correction"]), obj["seconds"], obj["tried"])
+
+
+def _stats_json(stats: ArmStats) -> dict:
+    return asdict(stats)
+
+
+def run_bandit(
+    logs: Path,
+    drafter: Path,
+    publish_dir: Path,
+    state_dir: Path | None = None,
+    once: bool = False,
+    target: str | Path = "checkpoints/target_tiny",
+    config: BanditConfig = DEFAULT_CONFIG,
+    poll_seconds: float = 1.0,
+) -> int:
+    """The ``trainer adapt bandit`` command: SIGTERM/SIGINT finish the current decision, commit, exit 0."""
+    daemon = BanditDaemon(logs, drafter, publish_dir, state_dir or Path(publish_dir) / ".state", target, config)
+    try:
+        return run_until_signalled(daemon.stop, lambda: daemon.run(once, poll_seconds))
+    finally:
+        daemon.close()
