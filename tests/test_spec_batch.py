@@ -63,7 +63,7 @@ def test_batched_output_equals_single_request_output(shipped, tree, budget, temp
 
 
 def test_stop_token_ends_only_its_request(shipped):
-    target, drafter, prompts = shipped
+    target, _, prompts = shipped
     free = generate(target, make_session("none", target, None), BUILDERS["none"], prompts[0], 24, 0).tokens
     stop = free[5]
     engine = BatchEngine(target, None, ("recycling",), Fixed("recycling", 16))

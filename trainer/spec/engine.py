@@ -56,7 +56,7 @@ from trainer.spec.tree import (
     template_by_prior,
     treeflash,
 )
-from trainer.spec.verify import GREEDY, Sampling, accept, compact_cache, committed, tree_attention_mask
+from trainer.spec.verify import GREEDY, Sampling, accept, committed, compact_cache, tree_attention_mask
 
 DEFAULT_OPTIONS = TreeOptions()
 
