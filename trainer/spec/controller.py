@@ -1,0 +1,116 @@
+"""The cost-aware controller: per step, the builder and budget (down to no speculation) that maximise the
+batch's expected tokens per second, from costs and acceptance measured live.
+
+An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-free retrieval
+(``recycling``) and the neural drafter's builder at a few budgets. The rule, per step at batch size ``B``:
+
+- expected throughput of an arm = ``B · τ(arm) / cost(arm, B)``, where ``τ(arm) = 1 + Σ_d reach_d(arm)`` and
+  ``reach_d`` is an exponential moving average, over the rows of steps that used the arm, of "the accepted
+  path reached depth ``d``" (the live acceptance by depth), and ``cost(arm, B)`` is an exponential moving
+  average of the measured wall time of whole steps (drafting, tree, verification, commit) with that arm at
+  that batch size (both averages start as plain means, so that early figures are not biased to zero);
+- an arm measured fewer than ``trials`` times at this batch size is tried first; afterwards every ``probe_every``-th
+  step re-measures the arm whose figure at this batch size is oldest, so that acceptance that grows (the
+  recycling adjacency learns) or costs that move are noticed; every other step takes the best estimate.
+
+Nothing is assumed about the hardware: on a CPU where a drafter forward costs about as much as verifying a
+dozen tokens, the neural arms measure slower than plain decoding and lose; on an accelerator, where
+verifying 16-64 tokens costs about one, the same rule picks them. Probing costs at most one step in
+``probe_every``. On CPU::
+
+    python -c "from trainer.spec.controller import Controller; c = Controller(Controller.arms('ddtree')); \\
+        print(c.choose(1))"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.spec.batch import RowStep
+
+RECYCLING_BUDGETS = (8, 16, 32)
+NEURAL_BUDGETS = (4, 8, 16)
+
+
+@dataclass
+class ArmStats:
+    # reach[d - 1]: EMA of P(accepted path reaches depth d), over `rows` row-steps.
+    reach: list[float] = field(default_factory=list)
+    rows: int = 0
+    # Batch size → [EMA of step seconds, step counter when last measured, measurements].
+    cost: dict[int, list[float]] = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        return 1.0 + sum(self.reach)
+
+
+class Controller:
+    """Chooses each step's arm from live measurements; see the module docstring for the rule."""
+
+    def __init__(
+        self,
+        arms: list[tuple[str, int]],
+        probe_every: int = 32,
+        trials: int = 3,
+        tau_decay: float = 0.05,
+        cost_decay: float = 0.2,
+    ) -> None:
+        self.arms = list(arms)
+        self.stats = {arm: ArmStats() for arm in self.arms}
+        self.probe_every = probe_every
+        self.trials = trials
+        self.tau_decay = tau_decay
+        self.cost_decay = cost_decay
+        self.steps = 0
+        self.last: tuple[str, int] = self.arms[0]
+
+    @staticmethod
+    def arms(neural_tree: str | None) -> list[tuple[str, int]]:
+        """Plain decoding, recycling at a few budgets, and the neural builder at a few budgets if there is one."""
+        arms = [("none", 0)] + [("recycling", b) for b in RECYCLING_BUDGETS]
+        if neural_tree is not None and neural_tree not in ("none", "recycling"):
+            arms += [(neural_tree, b) for b in NEURAL_BUDGETS]
+        return arms
+
+    def throughput(self, arm: tuple[str, int], batch_size: int) -> float | None:
+        """Expected tokens per second of ``arm`` at ``batch_size``; None if not measured there."""
+        stats = self.stats[arm]
+        if stats.cost.get(batch_size, [0, 0, 0])[2] < self.trials:
+            return None
+        return batch_size * stats.tau / stats.cost[batch_size][0]
+
+    def choose(self, batch_size: int) -> tuple[str, int]:
+        self.steps += 1
+        unmeasured = [a for a in self.arms if self.throughput(a, batch_size) is None]
+        if unmeasured:
+            self.last = unmeasured[0]
+        elif self.steps % self.probe_every == 0:
+            self.last = min(self.arms, key=lambda a: self.stats[a].cost[batch_size][1])
+        else:
+            self.last = max(self.arms, key=lambda a: self.throughput(a, batch_size))
+        return self.last
+
+    def observe(self, tree: str, budget: int, batch_size: int, rows: list[RowStep], seconds: float) -> None:
+        stats = self.stats.get((tree, budget))
+        if stats is None:
+            return
+        cell = stats.cost.setdefault(batch_size, [0.0, 0, 0])
+        cell[2] += 1
+        cell[0] += max(self.cost_decay, 1 / cell[2]) * (seconds - cell[0])
+        cell[1] = self.steps
+        for row in rows:
+            depth = int(row.tree.depths().max()) if row.tree.size else 0
+            stats.reach += [0.0] * (depth - len(stats.reach))
+            stats.rows += 1
+            rate = max(self.tau_decay, 1 / stats.rows)
+            # A depth this tree did not reach counts as not reached: τ is what the arm's trees deliver.
+            for d, reach in enumerate(stats.reach, 1):
+                stats.reach[d - 1] = reach + rate * (float(row.result.accepted >= d) - reach)
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """Per arm ``"tree@budget"``: τ estimate and step seconds at each measured batch size (for /metrics)."""
+        return {
+            f"{tree}@{budget}": {"tau": s.tau, **{f"seconds_b{b}": c[0] for b, c in s.cost.items()}}
+            for (tree, budget), s in self.stats.items()
+        }
