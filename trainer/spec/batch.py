@@ -33,7 +33,6 @@ On CPU with the shipped tiny target::
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ from trainer.spec.drafting import DraftSession, RecyclingSession
 from trainer.spec.engine import BUILDERS, DEFAULT_OPTIONS, Clock, Step, _cache_kwarg, make_session
 from trainer.spec.options import TreeOptions
 from trainer.spec.tree import Tree
-from trainer.spec.verify import GREEDY, Acceptance, Sampling, accept, committed
+from trainer.spec.verify import GREEDY, Sampling, accept, committed
 
 
 @dataclass(eq=False)
@@ -84,19 +83,23 @@ class RowStep:
     """What one request's row did in one step: enough for a verifier-log step record."""
 
     request: BatchRequest
+    # The request's own step index.
     step: int
-    # Position of the root, i.e. of the first verified node.
+    # Position of the root, i.e. the request's context length before this step.
     pos: int
+    root: int
     tree: Tree
-    result: Acceptance
-    # Tokens committed (accepted drafts then the bonus, cut at max_new_tokens or a stop token).
-    new: list[int]
+    # Accepted node indices from the root (node 0) down, as the verifier walked them.
+    path: list[int]
+    bonus: int
     # Shape: (N + 1, V) float logits of the row's verified nodes.
     logits: torch.Tensor
-    # Milliseconds of the whole batch step per phase (draft, tree, verify, commit).
+    # Milliseconds of the whole batch step per phase: draft, tree, verify.
     ms: dict[str, float]
-    builder: str
     budget: int
+    builder: str
+    # Tokens committed (accepted drafts then the bonus, cut at max_new_tokens or a stop token).
+    new: list[int]
 
 
 class Policy(Protocol):
@@ -238,8 +241,6 @@ class BatchEngine:
         self.cache = RaggedCache(target.config)
         self.pending: queue.SimpleQueue[BatchRequest] = queue.SimpleQueue()
         self.steps = 0
-        # Swapped only on the engine thread between steps (hot reload), under this lock.
-        self.lock = threading.Lock()
 
     @property
     def busy(self) -> bool:
@@ -250,8 +251,19 @@ class BatchEngine:
         self.pending.put(request)
 
     def set_drafter(self, drafter: torch.nn.Module | None) -> None:
-        """A new drafter for requests that join from now on (requests in flight keep their sessions)."""
+        """A new drafter for requests that join from now on (requests in flight keep their sessions). Call
+        between steps."""
         self.drafter = drafter
+
+    def set_adjacency(self, adjacency: torch.Tensor) -> None:
+        """Replace the shared recycling adjacency (V, k) token ids, -1 = empty; it keeps learning from there.
+        Call between steps; a wrong shape or id is a ValueError and changes nothing."""
+        vocab = self.recycling.adjacency.shape[0]
+        if adjacency.dim() != 2 or adjacency.shape[0] != vocab or adjacency.shape[1] < 1:
+            raise ValueError(f"adjacency of shape {tuple(adjacency.shape)}; this target needs ({vocab}, k)")
+        if adjacency.dtype not in (torch.int32, torch.int64) or adjacency.min() < -1 or adjacency.max() >= vocab:
+            raise ValueError(f"adjacency must hold token ids in [-1, {vocab}) as int32/int64")
+        self.recycling.adjacency = adjacency.to(torch.long).to(self.device)
 
     def _sessions(self) -> dict[type, DraftSession]:
         sessions: dict[type, DraftSession] = {}
@@ -316,6 +328,16 @@ class BatchEngine:
                 self.cache.join(row, request.past_len)
                 self.rows.append(request)
 
+    def abort(self, reason: str) -> None:
+        """Finish every active and waiting request with ``reason`` and empty the batch (after a failed step)."""
+        for request in self.rows:
+            if not request.finished:
+                self._finish(request, reason)
+        while not self.pending.empty():
+            self._finish(self.pending.get(), reason)
+        self.rows = []
+        self.cache = RaggedCache(self.target.config)
+
     def _drop(self) -> None:
         """Remove finished and cancelled rows."""
         for request in self.rows:
@@ -329,12 +351,11 @@ class BatchEngine:
     @torch.no_grad()
     def step(self) -> list[RowStep]:
         """Admit waiting requests, verify one tree per active request, commit; [] when there is nothing to do."""
-        with self.lock:
-            self._drop()
-            self._admit()
-            if not self.rows:
-                return []
-            return self._step()
+        self._drop()
+        self._admit()
+        if not self.rows:
+            return []
+        return self._step()
 
     def _step(self) -> list[RowStep]:
         start = time.perf_counter()
@@ -396,7 +417,7 @@ class BatchEngine:
                 request.tokens.extend(new)
                 news.append(new)
             self.cache.commit(appended)
-        ms = {phase: 1000 * s for phase, s in clock.seconds.items()}
+        ms = {phase: 1000 * clock.seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify")}
         events = []
         for b, (request, tree, result, new) in enumerate(zip(rows, trees, results, news, strict=True)):
             request.steps.append(
@@ -411,7 +432,15 @@ class BatchEngine:
             )
             pos = request.past_len - len(result.path[: len(new)])
             logits_b = logits[b, : tree.tokens.numel()]
-            events.append(RowStep(request, self.steps, pos, tree, result, new, logits_b, ms, tree_name, budget))
+            root = int(tree.tokens[0])
+            step = len(request.steps) - 1
+            event = RowStep(
+                request, step, pos, root, tree, result.path, result.bonus, logits_b, ms, budget, tree_name, new
+            )
+            events.append(event)
+            # The step is reported before the request can finish, so a request's records precede its end.
+            if self.on_step is not None:
+                self.on_step(event)
             if request.on_tokens is not None:
                 request.on_tokens(new, False)
             if new[-1] in request.stop_token_ids:
@@ -420,7 +449,4 @@ class BatchEngine:
                 self._finish(request, "length")
         self.steps += 1
         self.policy.observe(tree_name, budget, batch, events, time.perf_counter() - start)
-        if self.on_step is not None:
-            for event in events:
-                self.on_step(event)
         return events

@@ -106,7 +106,7 @@ class Controller:
             rate = max(self.tau_decay, 1 / stats.rows)
             # A depth this tree did not reach counts as not reached: τ is what the arm's trees deliver.
             for d, reach in enumerate(stats.reach, 1):
-                stats.reach[d - 1] = reach + rate * (float(row.result.accepted >= d) - reach)
+                stats.reach[d - 1] = reach + rate * (float(len(row.path) > d) - reach)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per arm ``"tree@budget"``: τ estimate and step seconds at each measured batch size (for /metrics)."""
