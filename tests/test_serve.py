@@ -10,6 +10,7 @@ The load lasts ``TRAINER_SERVE_LOAD_SECONDS`` (default 15; the issue's 60 s run 
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -205,9 +206,14 @@ def adjacency_payload(rows: int, width: int = 8):
     return write
 
 
+def copy_drafter(directory: Path) -> None:
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(ROOT / "checkpoints" / "dflash_tiny" / name, directory / name)
+
+
 def test_load_with_snapshots_published_mid_load_and_complete_logs(server):
-    """8 concurrent clients (streaming and not, greedy and sampled) for LOAD_SECONDS; a good snapshot and a
-    bad one are published mid-load. Runs last in this module: it stops the server to finish the log."""
+    """8 concurrent clients (streaming and not, greedy and sampled) for LOAD_SECONDS; an adjacency, a drafter
+    and a bad adjacency are published mid-load. Runs last here: it stops the server to finish the log."""
     results: list[tuple[str, int, int]] = []
     errors: list[BaseException] = []
     stop_at = time.time() + LOAD_SECONDS
@@ -235,16 +241,19 @@ def test_load_with_snapshots_published_mid_load_and_complete_logs(server):
     threads = [threading.Thread(target=client, args=(n,)) for n in range(8)]
     for t in threads:
         t.start()
-    time.sleep(LOAD_SECONDS / 3)
+    time.sleep(LOAD_SECONDS / 4)
     good = publish(server.watch, adjacency_payload(8192), {"source": "test"})
-    time.sleep(LOAD_SECONDS / 3)
+    time.sleep(LOAD_SECONDS / 4)
+    drafter = publish(server.watch, copy_drafter, {"source": "test, the shipped drafter again"})
+    time.sleep(LOAD_SECONDS / 4)
     bad = publish(server.watch, adjacency_payload(17), {"source": "test, wrong vocabulary"})
     for t in threads:
         t.join()
     assert not errors, errors[:3]
     assert len(results) >= 16
     assert server.metric("trainer_adjacency_version") == good
-    assert server.metric("trainer_quarantined_snapshots_total") >= 1 and bad == good + 1
+    assert server.metric("trainer_drafter_version") == drafter
+    assert server.metric("trainer_quarantined_snapshots_total") >= 1 and bad == drafter + 1
     assert server.metric("trainer_engine_errors_total") == 0
 
     server.stop()
