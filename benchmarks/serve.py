@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,23 +21,9 @@ from pathlib import Path
 import httpx
 
 from trainer.paths import PROJECT_ROOT
+from trainer.serve.process import ServerProcess
 
 CONCURRENCY = (1, 4, 8)
-
-
-def start(tree: str, budget: int) -> tuple[subprocess.Popen, str]:
-    code = "import sys; from trainer.serve.cli import main; main(sys.argv[1:])"
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    args = ["--port", "0", "--tree", tree, "--budget", str(budget)]
-    process = subprocess.Popen(
-        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-    for line in process.stdout:
-        found = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
-        if found:
-            threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
-            return process, found.group(1)
-    raise RuntimeError(f"server {tree}@{budget} did not start")
 
 
 def load(url: str, prompts: list[str], concurrency: int, seconds: float, temperature: float, max_tokens: int) -> float:
@@ -82,20 +64,19 @@ def main() -> None:
     if configs[0][0] != "none":
         raise SystemExit("the first configuration must be plain decoding (none:0): ratios are to it")
     prompts = [json.loads(line)["prompt"][-400:] for line in args.prompts.read_text().splitlines() if line.strip()]
-    servers = {c: start(*c) for c in configs}
+    servers = {c: ServerProcess(["--tree", c[0], "--budget", str(c[1])]) for c in configs}
     rates: dict[tuple[int, tuple[str, int]], list[float]] = {}
     try:
         for concurrency in CONCURRENCY:
-            for _, url in servers.values():
-                load(url, prompts, concurrency, args.seconds / 2, args.temperature, args.max_tokens)
+            for server in servers.values():
+                load(server.url, prompts, concurrency, args.seconds / 2, args.temperature, args.max_tokens)
             for _ in range(args.rounds):
-                for config, (_, url) in servers.items():
-                    rate = load(url, prompts, concurrency, args.seconds, args.temperature, args.max_tokens)
+                for config, server in servers.items():
+                    rate = load(server.url, prompts, concurrency, args.seconds, args.temperature, args.max_tokens)
                     rates.setdefault((concurrency, config), []).append(rate)
     finally:
-        for process, _ in servers.values():
-            process.terminate()
-            process.wait()
+        for server in servers.values():
+            server.stop()
     names = [f"{t}@{b}" if t != "auto" else "controller" for t, b in configs]
     print(f"tokens/s as ratio to plain decoding (T={args.temperature}, {args.rounds} x {args.seconds:.0f} s)")
     print(f"{'concurrency':>11} {'plain tok/s':>11} " + " ".join(f"{n:>12}" for n in names[1:]))

@@ -9,11 +9,7 @@ The load lasts ``TRAINER_SERVE_LOAD_SECONDS`` (default 15; the issue's 60 s run 
 
 import json
 import os
-import re
 import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,6 +23,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer.adapt.publish import publish
+from trainer.serve.process import ServerProcess
 from trainer.spec.engine import BUILDERS, generate, make_session
 from trainer.spec.verify import GREEDY, Sampling
 from trainer.vlog.schema import validate
@@ -43,44 +40,19 @@ PROMPTS = [
 ]
 
 
-class Server:
+class Server(ServerProcess):
     def __init__(self, tmp: Path) -> None:
         self.logs, self.watch = tmp / "logs", tmp / "publish"
         self.watch.mkdir()
-        code = "import sys; from trainer.serve.cli import main; main(sys.argv[1:])"
-        args = ["--port", "0", "--logs", str(self.logs), "--watch", str(self.watch), "--max-tokens", "256"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        self.output: list[str] = []
-        for line in self.process.stdout:
-            self.output.append(line)
-            found = re.search(r"on http://127\.0\.0\.1:(\d+)", line)
-            if found:
-                self.url = f"http://127.0.0.1:{found.group(1)}"
-                break
-        else:
-            raise RuntimeError("the server did not start:\n" + "".join(self.output))
-        # Keep draining the output so the server never blocks on a full pipe.
-        threading.Thread(target=lambda: self.output.extend(self.process.stdout), daemon=True).start()
+        super().__init__(["--logs", str(self.logs), "--watch", str(self.watch), "--max-tokens", "256"])
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics").text
-        return sum(float(v) for v in re.findall(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE))
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     s = Server(tmp_path_factory.mktemp("serve"))
     yield s
-    if s.process.poll() is None:
-        s.stop()
+    s.stop()
 
 
 @pytest.fixture(scope="module")
