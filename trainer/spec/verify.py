@@ -93,9 +93,11 @@ def accept(
     like plain sampling does.
     """
     children = tree.children()
+    # Greedy choices do not consume randomness: one argmax over all rows costs less than one per row.
+    argmax = logits.argmax(-1).tolist() if sampling.greedy else None
     node, path = 0, [0]
     while True:
-        token = sampling.next_token(logits[node], generator)
+        token = argmax[node] if argmax is not None else sampling.next_token(logits[node], generator)
         child = children[node].get(token)
         if child is None:
             return Acceptance(path, token)
