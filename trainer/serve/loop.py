@@ -56,8 +56,8 @@ def prompts(n: int, seed: int = 0) -> dict[str, list[str]]:
     foreign = []
     for path in rng.sample(files, min(len(files), 4 * n)):
         text = path.read_text(errors="replace")
-        if len(text) > 800:
-            cut = rng.randrange(400, len(text) - 200)
+        if len(text) > 1000:
+            cut = rng.randrange(600, len(text) - 200)
             foreign.append(text[cut - 600 : cut])
     return {"stdlib": [rng.choice(stdlib) for _ in range(n)], "foreign": foreign[:n]}
 
@@ -96,7 +96,8 @@ def run_loop(out: Path, requests: int, max_tokens: int, temperature: float, publ
                 body = {"model": "target_tiny", "prompt": prompt, "max_tokens": max_tokens,
                         "temperature": temperature, "seed": i}  # fmt: skip
                 response = http.post(f"{server.url}/v1/completions", json=body)
-                response.raise_for_status()
+                if response.status_code != 200:
+                    raise RuntimeError(f"request {i} failed: {response.status_code} {response.text}")
                 sent.append((domain, response.json()["id"]))
     finally:
         server.stop()

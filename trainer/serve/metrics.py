@@ -47,7 +47,7 @@ class Metrics:
     def observe_step(self, events: list[RowStep], seconds: float) -> None:
         tokens = sum(len(e.new) for e in events)
         self.tokens.inc(tokens)
-        self.steps.labels(f"{events[0].builder}@{events[0].budget}").inc()
+        self.steps.labels(f"{events[0].event.builder}@{events[0].event.budget}").inc()
         tau, rate = tokens / len(events), tokens / max(seconds, 1e-9)
         self._tau = tau if self._tau is None else self._tau + DECAY * (tau - self._tau)
         self._rate = rate if self._rate is None else self._rate + DECAY * (rate - self._rate)

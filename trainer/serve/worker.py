@@ -25,12 +25,10 @@ from trainer.serve.metrics import Metrics
 from trainer.spec.batch import BatchEngine, BatchRequest, RowStep
 from trainer.spec.drafting import load_drafter
 from trainer.spec.engine import make_session
-from trainer.vlog.schema import MIN_TOPK, request_record, step_record
+from trainer.vlog.recorder import StepRecorder
 from trainer.vlog.writer import LogWriter
 
 LOG = logging.getLogger("trainer.serve")
-# Log-probs are logged to 1e-4 nats: short decimals halve the line.
-LOGPROB_SCALE = 1e4
 
 
 @dataclass
@@ -131,55 +129,31 @@ class Worker:
                 continue
             self.metrics.observe_step(events, time.perf_counter() - start)
 
-    def _on_step(self, event: RowStep) -> None:
+    def _recorder(self, identity: Identity, drafter: str | None, version: int | None) -> StepRecorder:
+        return StepRecorder(
+            self.writer,
+            server=self.server,
+            request=identity.request,
+            tenant=identity.tenant,
+            shareable=identity.shareable,
+            drafter=drafter,
+            drafter_version=version,
+        )
+
+    def _on_step(self, row: RowStep) -> None:
         if self.writer is None:
             return
-        identity = self.identities[id(event.request)]
-        top = event.logits.topk(MIN_TOPK, dim=-1)
-        logprobs = top.values - event.logits.logsumexp(-1, keepdim=True)
-        drafter = self.drafter_name if event.builder == self.neural_tree else None
-        version = self.drafter_version if drafter is not None else self.adjacency_version
-
-        def record() -> dict:
-            # Engine node i + 1 is draft node i: the root (engine node 0) becomes parent -1.
-            return step_record(
-                server=self.server,
-                request=identity.request,
-                tenant=identity.tenant,
-                shareable=identity.shareable,
-                step=event.step,
-                drafter=drafter,
-                drafter_version=version,
-                tree=event.builder,
-                budget=event.budget,
-                pos=event.pos,
-                root=event.root,
-                tokens=event.tree.tokens[1:].tolist(),
-                parents=(event.tree.parents[1:] - 1).tolist(),
-                accepted=[node - 1 for node in event.path[1:]],
-                bonus=event.bonus,
-                topk_ids=top.indices.tolist(),
-                topk_logprobs=((logprobs.double() * LOGPROB_SCALE).round() / LOGPROB_SCALE).tolist(),
-                ms=event.ms,
-            )
-
-        self.writer.write(record)
+        # Versions change between steps (hot reload), so each step gets its recorder.
+        neural = row.event.builder == self.neural_tree
+        drafter = self.drafter_name if neural else None
+        version = self.drafter_version if neural else self.adjacency_version
+        self._recorder(self.identities[id(row.request)], drafter, version)(row.event)
 
     def _on_finish(self, request: BatchRequest) -> None:
         identity = self.identities.pop(id(request))
         self.metrics.requests.labels(request.finish_reason or "unknown").inc()
-        if self.writer is None:
-            return
-        self.writer.write(
-            request_record(
-                server=self.server,
-                request=identity.request,
-                tenant=identity.tenant,
-                shareable=identity.shareable,
-                prompt_ids=request.prompt.tolist(),
-                output_ids=list(request.tokens),
-            )
-        )
+        if self.writer is not None:
+            self._recorder(identity, None, None).finish(request.prompt.tolist(), list(request.tokens))
 
     def reload(self) -> None:
         """Load the newest version of every watched directory that changed; a failure keeps the old one."""

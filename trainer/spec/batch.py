@@ -43,9 +43,8 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from trainer.spec.drafting import DraftSession, RecyclingSession
-from trainer.spec.engine import BUILDERS, DEFAULT_OPTIONS, Clock, Step, _cache_kwarg, make_session
+from trainer.spec.engine import BUILDERS, DEFAULT_OPTIONS, Clock, Step, StepEvent, _cache_kwarg, make_session
 from trainer.spec.options import TreeOptions
-from trainer.spec.tree import Tree
 from trainer.spec.verify import GREEDY, Sampling, accept, committed
 
 
@@ -80,24 +79,11 @@ class BatchRequest:
 
 @dataclass
 class RowStep:
-    """What one request's row did in one step: enough for a verifier-log step record."""
+    """What one request's row did in one step."""
 
     request: BatchRequest
-    # The request's own step index.
-    step: int
-    # Position of the root, i.e. the request's context length before this step.
-    pos: int
-    root: int
-    tree: Tree
-    # Accepted node indices from the root (node 0) down, as the verifier walked them.
-    path: list[int]
-    bonus: int
-    # Shape: (N + 1, V) float logits of the row's verified nodes.
-    logits: torch.Tensor
-    # Milliseconds of the whole batch step per phase: draft, tree, verify.
-    ms: dict[str, float]
-    budget: int
-    builder: str
+    # The verifier log's view of the step: tree, accepted path, logits, ms; ``step`` counts the request's steps.
+    event: StepEvent
     # Tokens committed (accepted drafts then the bonus, cut at max_new_tokens or a stop token).
     new: list[int]
 
@@ -434,13 +420,11 @@ class BatchEngine:
             logits_b = logits[b, : tree.tokens.numel()]
             root = int(tree.tokens[0])
             step = len(request.steps) - 1
-            event = RowStep(
-                request, step, pos, root, tree, result.path, result.bonus, logits_b, ms, budget, tree_name, new
-            )
-            events.append(event)
+            event = StepEvent(step, pos, root, tree, result.path, result.bonus, logits_b, ms, budget, tree_name)
+            events.append(RowStep(request, event, new))
             # The step is reported before the request can finish, so a request's records precede its end.
             if self.on_step is not None:
-                self.on_step(event)
+                self.on_step(events[-1])
             if request.on_tokens is not None:
                 request.on_tokens(new, False)
             if new[-1] in request.stop_token_ids:

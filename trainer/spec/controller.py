@@ -100,13 +100,13 @@ class Controller:
         cell[0] += max(self.cost_decay, 1 / cell[2]) * (seconds - cell[0])
         cell[1] = self.steps
         for row in rows:
-            depth = int(row.tree.depths().max()) if row.tree.size else 0
+            depth = int(row.event.tree.depths().max()) if row.event.tree.size else 0
             stats.reach += [0.0] * (depth - len(stats.reach))
             stats.rows += 1
             rate = max(self.tau_decay, 1 / stats.rows)
             # A depth this tree did not reach counts as not reached: τ is what the arm's trees deliver.
             for d, reach in enumerate(stats.reach, 1):
-                stats.reach[d - 1] = reach + rate * (float(len(row.path) > d) - reach)
+                stats.reach[d - 1] = reach + rate * (float(len(row.event.path) > d) - reach)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per arm ``"tree@budget"``: τ estimate and step seconds at each measured batch size (for /metrics)."""
