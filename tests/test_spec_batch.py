@@ -75,3 +75,26 @@ def test_stop_token_ends_only_its_request(shipped):
         engine.step()
     assert stopped.tokens == free[: free.index(stop) + 1] and stopped.finish_reason == "stop"
     assert len(other.tokens) == 24
+
+
+def test_a_published_adjacency_fills_rows_the_server_did_not_learn(shipped):
+    target, _, prompts = shipped
+    engine = BatchEngine(target, None, ("recycling",), Fixed("recycling", 16))
+    request = BatchRequest(prompts[0], 8)
+    engine.submit(request)
+    while engine.busy:
+        engine.step()
+    learnt = engine.recycling.adjacency.clone()
+    own = (learnt >= 0).any(1)
+    published = torch.randint(0, 8192, (8192, 4))
+    engine.set_adjacency(published)
+    merged = engine.recycling.adjacency
+    assert merged.shape == (8192, 4)
+    assert torch.equal(merged[own], learnt[own, :4]) and torch.equal(merged[~own], published[~own])
+    # At the next load, rows unchanged since are the snapshot's to replace.
+    newer = torch.randint(0, 8192, (8192, 4))
+    engine.set_adjacency(newer)
+    assert torch.equal(engine.recycling.adjacency, newer)
+    with pytest.raises(ValueError, match="needs"):
+        engine.set_adjacency(torch.zeros(17, 4, dtype=torch.long))
+    assert torch.equal(engine.recycling.adjacency, newer)

@@ -223,6 +223,8 @@ class BatchEngine:
         self.cache_kw = _cache_kwarg(target)
         # One adjacency for all requests: it keeps learning across them.
         self.recycling = RecyclingSession(target.config.vocab_size, options.recycling_width, device=self.device)
+        # The adjacency as last loaded (empty at start): rows that differ from it were learnt here since.
+        self._loaded_adjacency = self.recycling.adjacency.clone()
         self.rows: list[BatchRequest] = []
         self.cache = RaggedCache(target.config)
         self.pending: queue.SimpleQueue[BatchRequest] = queue.SimpleQueue()
@@ -242,14 +244,25 @@ class BatchEngine:
         self.drafter = drafter
 
     def set_adjacency(self, adjacency: torch.Tensor) -> None:
-        """Replace the shared recycling adjacency (V, k) token ids, -1 = empty; it keeps learning from there.
-        Call between steps; a wrong shape or id is a ValueError and changes nothing."""
-        vocab = self.recycling.adjacency.shape[0]
+        """Load a published recycling adjacency (V, k) token ids, -1 = empty. Call between steps; a wrong shape
+        or id is a ValueError and changes nothing.
+
+        Rows the server itself rewrote since the previous load (from the prompts and trees of the requests it
+        is serving) are newer evidence than any snapshot, which a daemon built from older logs: they are kept,
+        and the snapshot fills every other row. The server keeps learning from there."""
+        current = self.recycling.adjacency
+        vocab = current.shape[0]
         if adjacency.dim() != 2 or adjacency.shape[0] != vocab or adjacency.shape[1] < 1:
             raise ValueError(f"adjacency of shape {tuple(adjacency.shape)}; this target needs ({vocab}, k)")
         if adjacency.dtype not in (torch.int32, torch.int64) or adjacency.min() < -1 or adjacency.max() >= vocab:
             raise ValueError(f"adjacency must hold token ids in [-1, {vocab}) as int32/int64")
-        self.recycling.adjacency = adjacency.to(torch.long).to(self.device)
+        merged = adjacency.to(torch.long).to(self.device)
+        local = (current != self._loaded_adjacency).any(1)
+        width = min(merged.shape[1], current.shape[1])
+        merged[local] = -1
+        merged[local, :width] = current[local, :width]
+        self.recycling.adjacency = merged
+        self._loaded_adjacency = merged.clone()
 
     def _sessions(self) -> dict[type, DraftSession]:
         sessions: dict[type, DraftSession] = {}
