@@ -130,6 +130,8 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "top_k": -1}, 400, "top_k"),
     ({"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
     ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "stop": ["a", ""]}, 400, "stop"),
+    ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"prompt": "x"}, 400, "model"),
 ]
 

@@ -164,12 +164,12 @@ def build_app(worker: Worker, tokenizer: PreTrainedTokenizerBase, model_name: st
                 "prompt",
                 "context_length_exceeded",
             )
-        if (body.stop is not None and not (isinstance(body.stop, str) or 0 < len(body.stop) <= 4)) or body.stop == "":
-            raise ApiError(400, "stop is a non-empty string or a list of 1 to 4 strings", "stop", "invalid_value")
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if body.stop is not None and not (0 < len(stops) <= 4 and all(stops)):
+            raise ApiError(400, "stop is a non-empty string or a list of 1 to 4 of them", "stop", "invalid_value")
         vocab = worker.engine.target.config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ApiError(400, f"prompt token ids must lie in [0, {vocab})", "prompt", "invalid_value")
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         request = BatchRequest(
             torch.tensor(prompt_ids),
             max_tokens,

@@ -6,7 +6,9 @@ publishing adjacency snapshots), then sends a prompt stream that shifts domain: 
 tiny target's own domain), then the source of third-party packages installed next to it (never in its
 training data). Afterwards both processes are stopped and τ per request is read back from the verifier log
 (mean accepted drafts + 1 over the request's steps), with the adjacency version each request was served
-with. Writes ``OUT/loop.md`` (the table), ``OUT/loop.json`` and ``OUT/loop.png``::
+with. Then the same stream is served again by a server alone (its own online recycling only, no daemon):
+the outputs are the same (lossless, same seeds), so the τ columns differ only by what the daemon's snapshots
+added. Writes ``OUT/loop.md`` (the table), ``OUT/loop.json`` and ``OUT/loop.png``::
 
     python -m trainer.serve.loop --out runs/loop [--requests 40] [--max-tokens 48]
 """
@@ -70,28 +72,32 @@ def wait_for_version(server: ServerProcess, deadline: float) -> None:
         time.sleep(0.5)
 
 
-def run_loop(out: Path, requests: int, max_tokens: int, temperature: float, publish_seconds: float) -> list[Served]:
+def run_loop(
+    out: Path, requests: int, max_tokens: int, temperature: float, publish_seconds: float, adapt: bool = True
+) -> list[Served]:
     """Serve ``requests`` stdlib prompts, wait for the daemon's first snapshot, then serve ``2 * requests``
-    foreign ones."""
+    foreign ones. Without ``adapt``: the same stream with no daemon (the server's own online learning only)."""
     logs, publish_dir = out / "logs", out / "publish"
     publish_dir.mkdir(parents=True, exist_ok=True)
     stream = prompts(2 * requests)
     order = [("stdlib", p) for p in stream["stdlib"][:requests]] + [("foreign", p) for p in stream["foreign"]]
     server = ServerProcess(
         ["--drafter", "none", "--tree", "recycling", "--budget", "16", "--logs", str(logs), "--log-prefix", "loop",
-         "--watch", str(publish_dir)]
+         *(["--watch", str(publish_dir)] if adapt else [])]
     )  # fmt: skip
-    daemon = python_process(
-        _GRAFT,
-        ["graft", "--logs", str(logs), "--publish", str(publish_dir), "--target",
-         str(PROJECT_ROOT / "checkpoints" / "target_tiny"), "--publish-seconds", str(publish_seconds),
-         "--commit-seconds", "1", "--poll-seconds", "0.2"],
-    )  # fmt: skip
+    daemon = None
+    if adapt:
+        daemon = python_process(
+            _GRAFT,
+            ["graft", "--logs", str(logs), "--publish", str(publish_dir), "--target",
+             str(PROJECT_ROOT / "checkpoints" / "target_tiny"), "--publish-seconds", str(publish_seconds),
+             "--commit-seconds", "1", "--poll-seconds", "0.2"],
+        )  # fmt: skip
     sent: list[tuple[str, str]] = []
     try:
         with httpx.Client(timeout=300) as http:
             for i, (domain, prompt) in enumerate(order):
-                if i == requests:
+                if i == requests and adapt:
                     wait_for_version(server, time.time() + 120)
                 body = {"model": "target_tiny", "prompt": prompt, "max_tokens": max_tokens,
                         "temperature": temperature, "seed": i}  # fmt: skip
@@ -101,9 +107,10 @@ def run_loop(out: Path, requests: int, max_tokens: int, temperature: float, publ
                 sent.append((domain, response.json()["id"]))
     finally:
         server.stop()
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(timeout=120)
-    if daemon.returncode != 0:
+        if daemon is not None:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(timeout=120)
+    if daemon is not None and daemon.returncode != 0:
         raise RuntimeError(f"the graft daemon exited with {daemon.returncode}:\n{daemon.stdout.read()[-2000:]}")
     steps: dict[str, list[dict]] = {}
     for segment in sorted(logs.glob("*.jsonl")):
@@ -135,23 +142,33 @@ def windows(served: list[Served], size: int) -> list[dict]:
     return rows
 
 
-def write_report(out: Path, served: list[Served], size: int) -> list[dict]:
+def write_report(out: Path, served: list[Served], size: int, control: list[Served] | None = None) -> list[dict]:
+    """``loop.md``, ``loop.json`` and ``loop.png``; with ``control`` (the same stream served without the
+    daemon), its τ per window beside the loop's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = windows(served, size)
-    lines = ["| requests | domain | adjacency versions | τ |", "|---|---|---|---|"]
-    lines += [f"| {r['requests']} | {r['domain']} | {r['versions']} | {r['tau']:.3f} |" for r in rows]
+    if control is not None:
+        for row, other in zip(rows, windows(control, size), strict=True):
+            row["tau_without_daemon"] = other["tau"]
+    lines = ["| requests | domain | adjacency versions | τ | τ without daemon |", "|---|---|---|---|---|"]
+    for r in rows:
+        without = f"{r['tau_without_daemon']:.3f}" if "tau_without_daemon" in r else ""
+        lines.append(f"| {r['requests']} | {r['domain']} | {r['versions']} | {r['tau']:.3f} | {without} |")
     (out / "loop.md").write_text("\n".join(lines) + "\n")
-    (out / "loop.json").write_text(json.dumps({"requests": [asdict(s) for s in served], "windows": rows}, indent=1))
+    record = {"requests": [asdict(s) for s in served], "windows": rows}
+    (out / "loop.json").write_text(json.dumps(record, indent=1))
     fig, ax = plt.subplots(figsize=(8, 3.5))
     for domain, color in (("stdlib", "tab:blue"), ("foreign", "tab:orange")):
         mine = [s for s in served if s.domain == domain]
         ax.plot([s.index for s in mine], [s.tau for s in mine], ".", color=color, alpha=0.5, label=domain)
     centers = [sum(map(int, r["requests"].split("-"))) / 2 for r in rows]
     ax.plot(centers, [r["tau"] for r in rows], "k-", label=f"τ per {size} requests")
+    if control is not None:
+        ax.plot(centers, [r["tau_without_daemon"] for r in rows], "k--", label="the same without the daemon")
     changes = [s.index for prev, s in itertools.pairwise(served) if s.version != prev.version]
     for x in changes:
         ax.axvline(x, color="gray", linestyle=":", linewidth=1)
@@ -172,10 +189,16 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--publish-seconds", type=float, default=5.0)
     p.add_argument("--window", type=int, default=10)
+    p.add_argument("--no-control", action="store_true", help="skip serving the stream again without the daemon")
     args = p.parse_args()
     start = time.time()
-    served = run_loop(args.out, args.requests, args.max_tokens, args.temperature, args.publish_seconds)
-    rows = write_report(args.out, served, args.window)
+    served = run_loop(args.out / "loop", args.requests, args.max_tokens, args.temperature, args.publish_seconds)
+    control = None
+    if not args.no_control:
+        control = run_loop(
+            args.out / "control", args.requests, args.max_tokens, args.temperature, args.publish_seconds, adapt=False
+        )
+    rows = write_report(args.out, served, args.window, control)
     print((args.out / "loop.md").read_text())
     foreign = [r for r in rows if r["domain"] == "foreign"]
     print(f"foreign τ: first window {foreign[0]['tau']:.3f} (versions {foreign[0]['versions']}), last "
