@@ -5,7 +5,8 @@
 - ``trainer_queue_depth``, ``trainer_batch_size``: requests waiting to join, requests in the batch;
 - ``trainer_drafter_version``, ``trainer_adjacency_version``: published versions in use (0: the shipped ones);
 - ``trainer_quarantined_snapshots_total`` and ``trainer_last_reload_error``: snapshots that failed to load;
-- ``trainer_steps_total{arm}``: steps per controller arm (``tree@budget``); ``trainer_tokens_total``;
+- ``trainer_steps_total{arm}``: steps per controller arm (``tree@budget``), ``trainer_arm_tau{arm}``: the
+  controller's τ estimate per arm; ``trainer_tokens_total``;
   ``trainer_requests_total{status}``; ``trainer_engine_errors_total``.
 """
 
@@ -38,6 +39,7 @@ class Metrics:
         )
         self.last_reload_error = Info("trainer_last_reload_error", "why the last snapshot failed to load", registry=r)
         self.steps = Counter("trainer_steps", "engine steps per controller arm", ["arm"], registry=r)
+        self.arm_tau = Gauge("trainer_arm_tau", "the controller's τ estimate per arm", ["arm"], registry=r)
         self.tokens = Counter("trainer_tokens", "tokens committed", registry=r)
         self.requests = Counter("trainer_requests", "requests by status", ["status"], registry=r)
         self.engine_errors = Counter("trainer_engine_errors", "engine steps that failed", registry=r)

@@ -23,6 +23,7 @@ import torch
 from trainer.adapt.publish import ADJACENCY, load_adjacency, read_current
 from trainer.serve.metrics import Metrics
 from trainer.spec.batch import BatchEngine, BatchRequest, RowStep
+from trainer.spec.controller import Controller
 from trainer.spec.drafting import load_drafter
 from trainer.spec.engine import make_session
 from trainer.vlog.recorder import StepRecorder
@@ -128,6 +129,9 @@ class Worker:
                 self.wake.clear()
                 continue
             self.metrics.observe_step(events, time.perf_counter() - start)
+            if isinstance(self.engine.policy, Controller):
+                for arm, tau in self.engine.policy.taus().items():
+                    self.metrics.arm_tau.labels(arm).set(tau)
 
     def _recorder(self, identity: Identity, drafter: str | None, version: int | None) -> StepRecorder:
         return StepRecorder(

@@ -8,15 +8,19 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   ``reach_d`` is an exponential moving average, over the rows of steps that used the arm, of "the accepted
   path reached depth ``d``" (the live acceptance by depth), and ``cost(arm, B)`` is an exponential moving
   average of the measured wall time of whole steps (drafting, tree, verification, commit) with that arm at
-  that batch size (both averages start as plain means, so that early figures are not biased to zero);
-- an arm measured fewer than ``trials`` times at this batch size is tried first; afterwards every ``probe_every``-th
-  step re-measures the arm whose figure at this batch size is oldest, so that acceptance that grows (the
-  recycling adjacency learns) or costs that move are noticed; every other step takes the best estimate.
+  that batch size; an arm not yet measured at ``B`` is estimated from its nearest measured batch size ``B'``
+  as ``cost(arm, B') · B / B'`` (both averages start as plain means, so early figures are not biased);
+- an arm never measured at all is tried first, once;
+- probing: while the time spent on steps that were not the best estimate stays under ``probe_share`` of all
+  step time (plus ``probe_grace`` seconds, so that a fresh server can look around), a step goes to the arm
+  whose figure at this batch size is oldest, so that acceptance that grows (the recycling adjacency learns)
+  or costs that move are noticed; every other step takes the best estimate.
 
-Nothing is assumed about the hardware: on a CPU where a drafter forward costs about as much as verifying a
-dozen tokens, the neural arms measure slower than plain decoding and lose; on an accelerator, where
-verifying 16-64 tokens costs about one, the same rule picks them. Probing costs at most one step in
-``probe_every``. On CPU::
+Probing is budgeted in time, not steps, because one probe of an expensive arm (a neural tree of 16 nodes per
+row at batch 8) can cost as much as dozens of plain steps. Nothing is assumed about the hardware: on a CPU
+where a drafter forward costs about as much as verifying a dozen tokens, the neural arms measure slower than
+plain decoding and lose; on an accelerator, where verifying 16-64 tokens costs about one, the same rule picks
+them. On CPU::
 
     python -c "from trainer.spec.controller import Controller; c = Controller(Controller.arms('ddtree')); \\
         print(c.choose(1))"
@@ -51,19 +55,22 @@ class Controller:
     def __init__(
         self,
         arms: list[tuple[str, int]],
-        probe_every: int = 32,
-        trials: int = 3,
+        probe_share: float = 0.03,
+        probe_grace: float = 2.0,
         tau_decay: float = 0.05,
         cost_decay: float = 0.2,
     ) -> None:
         self.arms = list(arms)
         self.stats = {arm: ArmStats() for arm in self.arms}
-        self.probe_every = probe_every
-        self.trials = trials
+        self.probe_share = probe_share
+        self.probe_grace = probe_grace
         self.tau_decay = tau_decay
         self.cost_decay = cost_decay
         self.steps = 0
         self.last: tuple[str, int] = self.arms[0]
+        self.probing = False
+        self.seconds = 0.0
+        self.probe_seconds = 0.0
 
     @staticmethod
     def arms(neural_tree: str | None) -> list[tuple[str, int]]:
@@ -73,25 +80,38 @@ class Controller:
             arms += [(neural_tree, b) for b in NEURAL_BUDGETS]
         return arms
 
-    def throughput(self, arm: tuple[str, int], batch_size: int) -> float | None:
-        """Expected tokens per second of ``arm`` at ``batch_size``; None if not measured there."""
-        stats = self.stats[arm]
-        if stats.cost.get(batch_size, [0, 0, 0])[2] < self.trials:
+    def cost(self, arm: tuple[str, int], batch_size: int) -> float | None:
+        """Estimated seconds of a step with ``arm`` at ``batch_size``; None if the arm was never measured."""
+        cells = self.stats[arm].cost
+        if batch_size in cells:
+            return cells[batch_size][0]
+        if not cells:
             return None
-        return batch_size * stats.tau / stats.cost[batch_size][0]
+        near = min(cells, key=lambda b: abs(b - batch_size))
+        return cells[near][0] * batch_size / near
+
+    def throughput(self, arm: tuple[str, int], batch_size: int) -> float:
+        """Expected tokens per second of ``arm`` at ``batch_size`` (0 if never measured)."""
+        cost = self.cost(arm, batch_size)
+        return 0.0 if cost is None else batch_size * self.stats[arm].tau / cost
 
     def choose(self, batch_size: int) -> tuple[str, int]:
         self.steps += 1
-        unmeasured = [a for a in self.arms if self.throughput(a, batch_size) is None]
-        if unmeasured:
-            self.last = unmeasured[0]
-        elif self.steps % self.probe_every == 0:
-            self.last = min(self.arms, key=lambda a: self.stats[a].cost[batch_size][1])
+        best = max(self.arms, key=lambda a: self.throughput(a, batch_size))
+        never = [a for a in self.arms if not self.stats[a].cost]
+        if never:
+            self.last = never[0]
+        elif self.probe_seconds <= self.probe_share * self.seconds + self.probe_grace:
+            self.last = min(self.arms, key=lambda a: self.stats[a].cost.get(batch_size, [0.0, -1, 0])[1])
         else:
-            self.last = max(self.arms, key=lambda a: self.throughput(a, batch_size))
+            self.last = best
+        self.probing = self.last != best
         return self.last
 
     def observe(self, tree: str, budget: int, batch_size: int, rows: list[RowStep], seconds: float) -> None:
+        self.seconds += seconds
+        if self.probing:
+            self.probe_seconds += seconds
         stats = self.stats.get((tree, budget))
         if stats is None:
             return
@@ -108,9 +128,6 @@ class Controller:
             for d, reach in enumerate(stats.reach, 1):
                 stats.reach[d - 1] = reach + rate * (float(len(row.event.path) > d) - reach)
 
-    def snapshot(self) -> dict[str, dict[str, float]]:
-        """Per arm ``"tree@budget"``: τ estimate and step seconds at each measured batch size (for /metrics)."""
-        return {
-            f"{tree}@{budget}": {"tau": s.tau, **{f"seconds_b{b}": c[0] for b, c in s.cost.items()}}
-            for (tree, budget), s in self.stats.items()
-        }
+    def taus(self) -> dict[str, float]:
+        """The τ estimate of every arm, keyed ``"tree@budget"`` (for /metrics)."""
+        return {f"{tree}@{budget}": s.tau for (tree, budget), s in self.stats.items()}
