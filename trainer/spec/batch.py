@@ -66,7 +66,7 @@ class BatchRequest:
     finished: bool = False
     # Set from any thread; the engine drops the request before its next step.
     cancelled: bool = False
-    # Why it finished: "stop" (a stop token), "length" (max_new_tokens), "cancelled".
+    # Why it finished: "stop" (a stop token), "length" (max_new_tokens), "cancelled", or "error" (see abort).
     finish_reason: str | None = None
     # Positions of this request in the target's cache (prompt + committed tokens before the last).
     past_len: int = 0

@@ -7,9 +7,10 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
 - expected throughput of an arm = ``B · τ(arm) / cost(arm, B)``, where ``τ(arm) = 1 + Σ_d reach_d(arm)`` and
   ``reach_d`` is an exponential moving average, over the rows of steps that used the arm, of "the accepted
   path reached depth ``d``" (the live acceptance by depth), and ``cost(arm, B)`` is an exponential moving
-  average of the measured wall time of whole steps (drafting, tree, verification, commit) with that arm at
-  that batch size; an arm not yet measured at ``B`` is estimated from its nearest measured batch size ``B'``
-  as ``cost(arm, B') · B / B'`` (both averages start as plain means, so early figures are not biased);
+  average of the logarithm of the measured wall time of whole steps (drafting, tree, verification, commit)
+  with that arm at that batch size (a geometric mean: one step descheduled on a shared machine does not sink
+  an arm); an arm not yet measured at ``B`` is estimated from its nearest measured batch size ``B'`` as
+  ``cost(arm, B') · B / B'`` (both averages start as plain means, so early figures are not biased);
 - an arm never measured at all is tried first, once;
 - probing: while the time spent on steps that were not the best estimate stays under ``probe_share`` of all
   step time (plus ``probe_grace`` seconds, so that a fresh server can look around), a step goes to the arm
@@ -28,6 +29,7 @@ them. On CPU::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from trainer.spec.batch import RowStep
@@ -56,7 +58,7 @@ class Controller:
         self,
         arms: list[tuple[str, int]],
         probe_share: float = 0.03,
-        probe_grace: float = 2.0,
+        probe_grace: float = 1.0,
         tau_decay: float = 0.05,
         cost_decay: float = 0.2,
     ) -> None:
@@ -117,7 +119,8 @@ class Controller:
             return
         cell = stats.cost.setdefault(batch_size, [0.0, 0, 0])
         cell[2] += 1
-        cell[0] += max(self.cost_decay, 1 / cell[2]) * (seconds - cell[0])
+        log_cost = math.log(cell[0]) if cell[2] > 1 else 0.0
+        cell[0] = math.exp(log_cost + max(self.cost_decay, 1 / cell[2]) * (math.log(max(seconds, 1e-9)) - log_cost))
         cell[1] = self.steps
         for row in rows:
             depth = int(row.event.tree.depths().max()) if row.event.tree.size else 0
