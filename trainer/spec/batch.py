@@ -42,6 +42,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from trainer.masks import additive_mask
 from trainer.spec.drafting import DraftSession, RecyclingSession
 from trainer.spec.engine import BUILDERS, DEFAULT_OPTIONS, Clock, Step, StepEvent, _cache_kwarg, make_session
 from trainer.spec.options import TreeOptions
@@ -194,8 +195,7 @@ class RaggedCache:
         the nodes marked in ``ancestors`` (B, T, T) bool. Shape: (B, 1, T, L + T)"""
         rows, t = ancestors.shape[:2]
         visible = torch.cat([self.valid[:, None, :].expand(rows, t, -1), ancestors], dim=2)
-        blocked = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype)
-        return blocked.masked_fill(visible, 0)[:, None].to(device)
+        return additive_mask(visible[:, None].to(device), dtype)
 
 
 class BatchEngine:
