@@ -14,7 +14,8 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
 - an arm never measured at all is tried first, once;
 - probing: while the time spent on steps that were not the best estimate stays under ``probe_share`` of all
   step time (plus ``probe_grace`` seconds, so that a fresh server can look around), a step goes to the arm
-  whose figure at this batch size is oldest, so that acceptance that grows (the recycling adjacency learns)
+  whose figure at this batch size is oldest among those whose estimated step fits in what is left of that
+  budget, so that acceptance that grows (the recycling adjacency learns)
   or costs that move are noticed; every other step takes the best estimate.
 
 Probing is budgeted in time, not steps, because one probe of an expensive arm (a neural tree of 16 nodes per
@@ -103,10 +104,13 @@ class Controller:
         never = [a for a in self.arms if not self.stats[a].cost]
         if never:
             self.last = never[0]
-        elif self.probe_seconds <= self.probe_share * self.seconds + self.probe_grace:
-            self.last = min(self.arms, key=lambda a: self.stats[a].cost.get(batch_size, [0.0, -1, 0])[1])
         else:
-            self.last = best
+            # Only arms whose estimated step fits in what is left of the probing budget: one probe of an
+            # expensive arm must not overrun it many times over.
+            left = self.probe_share * self.seconds + self.probe_grace - self.probe_seconds
+            affordable = [a for a in self.arms if (self.cost(a, batch_size) or 0.0) <= left]
+            stalest = lambda a: self.stats[a].cost.get(batch_size, [0.0, -1, 0])[1]  # noqa: E731
+            self.last = min(affordable, key=stalest) if affordable else best
         self.probing = self.last != best
         return self.last
 
