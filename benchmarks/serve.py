@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from trainer.paths import PROJECT_ROOT
+from trainer.paths import project_path
 from trainer.serve.process import ServerProcess
 
 CONCURRENCY = (1, 4, 8)
@@ -58,7 +58,7 @@ def main() -> None:
     p.add_argument("--configs", default="none:0,recycling:16,ddtree:16,auto:0")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompts", type=Path, default=PROJECT_ROOT / "data" / "prompts" / "stdlib_heldout.jsonl")
+    p.add_argument("--prompts", type=Path, default=project_path("data/prompts/stdlib_heldout.jsonl"))
     args = p.parse_args()
     configs = [(c.split(":")[0], int(c.split(":")[1])) for c in args.configs.split(",")]
     if configs[0][0] != "none":

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from trainer.paths import PROJECT_ROOT
+from trainer.paths import project_path
 from trainer.serve.process import ServerProcess, python_process
 from trainer.vlog.schema import validate
 
@@ -49,7 +49,7 @@ class Served:
 def prompts(n: int, seed: int = 0) -> dict[str, list[str]]:
     """``n`` code prefixes per domain: ``stdlib`` (held-out modules) and ``foreign`` (installed packages)."""
     rng = random.Random(seed)
-    lines = (PROJECT_ROOT / "data" / "prompts" / "stdlib_heldout.jsonl").read_text().splitlines()
+    lines = project_path("data/prompts/stdlib_heldout.jsonl").read_text().splitlines()
     stdlib = [json.loads(line)["prompt"][-600:] for line in lines if line.strip()]
     files = []
     for name in FOREIGN:
@@ -90,7 +90,7 @@ def run_loop(
         daemon = python_process(
             _GRAFT,
             ["graft", "--logs", str(logs), "--publish", str(publish_dir), "--target",
-             str(PROJECT_ROOT / "checkpoints" / "target_tiny"), "--publish-seconds", str(publish_seconds),
+             str(project_path("checkpoints/target_tiny")), "--publish-seconds", str(publish_seconds),
              "--commit-seconds", "1", "--poll-seconds", "0.2"],
         )  # fmt: skip
     sent: list[tuple[str, str]] = []

@@ -12,17 +12,18 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import httpx
 
-from trainer.paths import PROJECT_ROOT
-
+# The directory that holds this `trainer` package: the subprocess imports the same code.
+_PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 _CODE = "import sys; from trainer.serve.cli import main; main(sys.argv[1:])"
 
 
 def python_process(code: str, args: list[str]) -> subprocess.Popen:
     """``python -c code args`` importing this checkout, one thread, offline, output piped."""
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(_PACKAGE_PARENT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen(
         [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
