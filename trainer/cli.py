@@ -41,6 +41,7 @@ COMMANDS = {
     "validate": "run the validation loop of a recipe on a checkpoint (--ckpt_path PATH)",
     "data": "data jobs: `trainer data regenerate` (target-written responses), `trainer data cache` (features)",
     "eval": "a drafter in lossless speculative decoding: τ, speed-up, acceptance by depth (--help)",
+    "serve": "an OpenAI-compatible server: continuous batching, verifier logs, hot reload (--help)",
     "adapt": "deployment daemons: `trainer adapt graft --logs DIR --publish DIR` (adjacency matrix from logs)",
 }
 
@@ -188,6 +189,11 @@ def main(argv: list[str] | None = None) -> None:
             from trainer.evaluate import main as eval_main
 
             eval_main(rest)
+            return
+        if command == "serve":
+            from trainer.serve.cli import main as serve_main
+
+            serve_main(rest)
             return
         if command == "adapt":
             from trainer.adapt.cli import main as adapt_main

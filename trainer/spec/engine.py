@@ -56,7 +56,7 @@ from trainer.spec.tree import (
     template_by_prior,
     treeflash,
 )
-from trainer.spec.verify import GREEDY, Sampling, accept, compact_cache, tree_attention_mask
+from trainer.spec.verify import GREEDY, Sampling, accept, committed, compact_cache, tree_attention_mask
 
 DEFAULT_OPTIONS = TreeOptions()
 
@@ -515,13 +515,7 @@ def generate(
             logits = out.logits[0].float()
             result = accept(tree, logits, sampling, generator)
         with clock("commit"):
-            # The accepted drafts, then the target's bonus; never past max_new_tokens or a stop token.
-            new = [int(t) for t in tree.tokens[result.path[1:]]] + [result.bonus]
-            new = new[:remaining]
-            for i, token in enumerate(new):
-                if token in stops:
-                    new = new[: i + 1]
-                    break
+            new = committed(tree, result, remaining, stops)
             # The root and the accepted drafts that were committed: len(new) positions enter the context.
             path = result.path[: len(new)]
             compact_cache(cache, past_len, path)

@@ -41,8 +41,15 @@ class Tree:
         """Draft nodes, root excluded (the budget unit)."""
         return self.tokens.numel() - 1
 
+    @property
+    def is_chain(self) -> bool:
+        """Every node's parent is the node before it (a single path)."""
+        return bool((self.parents[1:] == torch.arange(self.parents.numel() - 1)).all())
+
     def depths(self) -> torch.Tensor:
         """Depth of every node (root 0). Shape: (N + 1,)"""
+        if self.is_chain:
+            return torch.arange(self.parents.numel())
         parents = self.parents.tolist()
         depth = [0] * len(parents)
         for i in range(1, len(parents)):
@@ -52,6 +59,8 @@ class Tree:
     def ancestor_mask(self) -> torch.Tensor:
         """``mask[i, j]``: node ``j`` is node ``i`` or one of its ancestors. Shape: (N + 1, N + 1) bool"""
         n = self.tokens.numel()
+        if self.is_chain:
+            return torch.ones(n, n, dtype=torch.bool).tril()
         mask = torch.eye(n, dtype=torch.bool)
         parents = self.parents.tolist()
         for i in range(1, n):

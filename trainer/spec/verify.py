@@ -93,9 +93,11 @@ def accept(
     like plain sampling does.
     """
     children = tree.children()
+    # Greedy choices do not consume randomness: one argmax over all rows costs less than one per row.
+    argmax = logits.argmax(-1).tolist() if sampling.greedy else None
     node, path = 0, [0]
     while True:
-        token = sampling.next_token(logits[node], generator)
+        token = argmax[node] if argmax is not None else sampling.next_token(logits[node], generator)
         child = children[node].get(token)
         if child is None:
             return Acceptance(path, token)
@@ -107,9 +109,22 @@ def accept_greedy(tree: Tree, logits: torch.Tensor) -> Acceptance:
     return accept(tree, logits, GREEDY)
 
 
+def committed(tree: Tree, result: Acceptance, remaining: int, stops: set[int] | frozenset[int]) -> list[int]:
+    """The tokens a step commits: the accepted drafts, then the target's bonus; never more than ``remaining``
+    and never past a stop token. The first ``len(tokens)`` nodes of ``result.path`` enter the context."""
+    new = [int(t) for t in tree.tokens[result.path[1:]]] + [result.bonus]
+    new = new[:remaining]
+    for i, token in enumerate(new):
+        if token in stops:
+            return new[: i + 1]
+    return new
+
+
 def compact_cache(cache: DynamicCache, past_len: int, keep: list[int]) -> None:
     """Keep the first ``past_len`` cached positions plus the tree positions ``keep`` (offsets after
-    ``past_len``, increasing), dropping the rest of the verified tree."""
+    ``past_len``, increasing), dropping the rest of the verified tree. A kept prefix of the tree (a chain's
+    accepted drafts) is a crop, a view that copies nothing."""
+    prefix = keep == list(range(len(keep)))
     index = None
     for layer in cache.layers:
         if type(layer) is not DynamicLayer:
@@ -117,6 +132,10 @@ def compact_cache(cache: DynamicCache, past_len: int, keep: list[int]) -> None:
                 f"tree verification compacts full-attention caches only; this target has a {type(layer).__name__}"
             )
         if not layer.is_initialized:
+            continue
+        if prefix:
+            layer.keys = layer.keys[..., : past_len + len(keep), :]
+            layer.values = layer.values[..., : past_len + len(keep), :]
             continue
         if index is None or index.device != layer.keys.device:
             tail = torch.tensor(keep, dtype=torch.long, device=layer.keys.device) + past_len

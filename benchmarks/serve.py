@@ -1,0 +1,91 @@
+"""Server throughput: tokens/s of ``trainer serve`` at concurrency 1, 4 and 8 for plain decoding, fixed
+speculative configurations and the cost-aware controller, as ratios to plain decoding at the same concurrency.
+
+One server per configuration runs at the same time (idle ones cost nothing); for each concurrency the
+configurations take turns, ``--rounds`` times, ``--seconds`` each, so machine noise hits all of them alike.
+Clients send held-out stdlib prompts with lossless sampling at ``--temperature`` (the tiny target loops under
+greedy decoding, which would flatter copying drafters) and count completion tokens. A warm-up turn per
+configuration and concurrency lets the controller measure its arms first.
+
+    python benchmarks/serve.py [--seconds 20] [--rounds 2] [--configs none:0,recycling:16,ddtree:16,auto:0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from trainer.paths import project_path
+from trainer.serve.process import ServerProcess
+
+CONCURRENCY = (1, 4, 8)
+
+
+def load(url: str, prompts: list[str], concurrency: int, seconds: float, temperature: float, max_tokens: int) -> float:
+    """Completion tokens per second of ``concurrency`` clients looping over ``prompts`` for ``seconds``."""
+    tokens = [0] * concurrency
+    stop_at = time.time() + seconds
+
+    def client(n: int) -> None:
+        with httpx.Client(timeout=300) as http:
+            i = n
+            while time.time() < stop_at:
+                body = {"model": "target_tiny", "prompt": prompts[i % len(prompts)], "max_tokens": max_tokens,
+                        "temperature": temperature, "seed": i}  # fmt: skip
+                response = http.post(f"{url}/v1/completions", json=body)
+                response.raise_for_status()
+                tokens[n] += response.json()["usage"]["completion_tokens"]
+                i += concurrency
+
+    start_time = time.time()
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(tokens) / (time.time() - start_time)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--configs", default="none:0,recycling:16,ddtree:16,auto:0")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompts", type=Path, default=project_path("data/prompts/stdlib_heldout.jsonl"))
+    args = p.parse_args()
+    configs = [(c.split(":")[0], int(c.split(":")[1])) for c in args.configs.split(",")]
+    if configs[0][0] != "none":
+        raise SystemExit("the first configuration must be plain decoding (none:0): ratios are to it")
+    prompts = [json.loads(line)["prompt"][-400:] for line in args.prompts.read_text().splitlines() if line.strip()]
+    servers = {c: ServerProcess(["--tree", c[0], "--budget", str(c[1])]) for c in configs}
+    rates: dict[tuple[int, tuple[str, int]], list[float]] = {}
+    try:
+        for concurrency in CONCURRENCY:
+            for server in servers.values():
+                load(server.url, prompts, concurrency, args.seconds / 2, args.temperature, args.max_tokens)
+            for _ in range(args.rounds):
+                for config, server in servers.items():
+                    rate = load(server.url, prompts, concurrency, args.seconds, args.temperature, args.max_tokens)
+                    rates.setdefault((concurrency, config), []).append(rate)
+    finally:
+        for server in servers.values():
+            server.stop()
+    names = [f"{t}@{b}" if t != "auto" else "controller" for t, b in configs]
+    print(f"tokens/s as ratio to plain decoding (T={args.temperature}, {args.rounds} x {args.seconds:.0f} s)")
+    print(f"{'concurrency':>11} {'plain tok/s':>11} " + " ".join(f"{n:>12}" for n in names[1:]))
+    for concurrency in CONCURRENCY:
+        mean = {c: sum(rates[concurrency, c]) / len(rates[concurrency, c]) for c in configs}
+        plain = mean[configs[0]]
+        ratios = " ".join(f"{mean[c] / plain:>11.2f}x" for c in configs[1:])
+        print(f"{concurrency:>11} {plain:>11.1f} {ratios}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""The closed loop: ``trainer serve`` and ``trainer adapt graft`` run as processes, a prompt stream shifts
+domain, and the daemon's snapshots reach the server (hot reload) while τ is read back from the verifier log."""
+
+from trainer.serve.loop import run_loop, write_report
+
+
+def test_closed_loop_serves_with_published_adjacency(tmp_path):
+    served = run_loop(tmp_path, requests=5, max_tokens=24, temperature=0.7, publish_seconds=1.0)
+    assert [s.domain for s in served] == ["stdlib"] * 5 + ["foreign"] * 10
+    # Every request was verified step by step (its step records are in the log)...
+    assert all(s.steps >= 1 and s.tau >= 1.0 for s in served)
+    # ...the stdlib phase ran before any snapshot, and the foreign one with the daemon's snapshots.
+    assert served[0].version == 0
+    assert all(s.version >= 1 for s in served[5:])
+    rows = write_report(tmp_path, served, size=5)
+    assert [r["domain"] for r in rows] == ["stdlib", "foreign", "foreign"]
+    assert (tmp_path / "loop.png").stat().st_size > 0 and "| τ |" in (tmp_path / "loop.md").read_text()

@@ -1,0 +1,209 @@
+"""The closed adaptation loop end to end: serve, log, adapt, publish, hot-reload, and τ over time.
+
+Starts ``trainer serve`` (drafter-free recycling at a fixed budget, so that τ measures the adjacency alone;
+verifier logs to ``OUT/logs``; watching ``OUT/publish``) and ``trainer adapt graft`` (reading the logs,
+publishing adjacency snapshots), then sends a prompt stream that shifts domain: held-out stdlib code (the
+tiny target's own domain), then the source of third-party packages installed next to it (never in its
+training data). Afterwards both processes are stopped and τ per request is read back from the verifier log
+(mean accepted drafts + 1 over the request's steps), with the adjacency version each request was served
+with. Then the same stream is served again by a server alone (its own online recycling only, no daemon):
+the outputs are the same (lossless, same seeds), so the τ columns differ only by what the daemon's snapshots
+added. Writes ``OUT/loop.md`` (the table), ``OUT/loop.json`` and ``OUT/loop.png``::
+
+    python -m trainer.serve.loop --out runs/loop [--requests 40] [--max-tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from trainer.paths import project_path
+from trainer.serve.process import ServerProcess, python_process
+from trainer.vlog.schema import validate
+
+_GRAFT = "import sys; from trainer.adapt.cli import main; main(sys.argv[1:])"
+# Third-party packages the toolkit depends on: their source is out of the tiny target's domain.
+FOREIGN = ("httpx", "fastapi", "pydantic", "openai", "starlette", "uvicorn")
+
+
+@dataclass
+class Served:
+    index: int
+    domain: str
+    request: str
+    tau: float
+    steps: int
+    # The published adjacency version the request's steps were served with (0: none yet).
+    version: int
+
+
+def prompts(n: int, seed: int = 0) -> dict[str, list[str]]:
+    """``n`` code prefixes per domain: ``stdlib`` (held-out modules) and ``foreign`` (installed packages)."""
+    rng = random.Random(seed)
+    lines = project_path("data/prompts/stdlib_heldout.jsonl").read_text().splitlines()
+    stdlib = [json.loads(line)["prompt"][-600:] for line in lines if line.strip()]
+    files = []
+    for name in FOREIGN:
+        module = __import__(name)
+        files += sorted(Path(module.__file__).parent.rglob("*.py"))
+    foreign = []
+    for path in rng.sample(files, min(len(files), 4 * n)):
+        text = path.read_text(errors="replace")
+        if len(text) > 1000:
+            cut = rng.randrange(600, len(text) - 200)
+            foreign.append(text[cut - 600 : cut])
+    return {"stdlib": [rng.choice(stdlib) for _ in range(n)], "foreign": foreign[:n]}
+
+
+def wait_for_version(server: ServerProcess, deadline: float) -> None:
+    """Before the domain shift: wait until the daemon's first snapshot is in use (it has read the stdlib phase)."""
+    while server.metric("trainer_adjacency_version") < 1:
+        if time.time() > deadline:
+            raise RuntimeError("the graft daemon published nothing the server loaded within 120 s")
+        time.sleep(0.5)
+
+
+def run_loop(
+    out: Path, requests: int, max_tokens: int, temperature: float, publish_seconds: float, adapt: bool = True
+) -> list[Served]:
+    """Serve ``requests`` stdlib prompts, wait for the daemon's first snapshot, then serve ``2 * requests``
+    foreign ones. Without ``adapt``: the same stream with no daemon (the server's own online learning only)."""
+    logs, publish_dir = out / "logs", out / "publish"
+    publish_dir.mkdir(parents=True, exist_ok=True)
+    stream = prompts(2 * requests)
+    order = [("stdlib", p) for p in stream["stdlib"][:requests]] + [("foreign", p) for p in stream["foreign"]]
+    server = ServerProcess(
+        ["--drafter", "none", "--tree", "recycling", "--budget", "16", "--logs", str(logs), "--log-prefix", "loop",
+         *(["--watch", str(publish_dir)] if adapt else [])]
+    )  # fmt: skip
+    daemon = None
+    if adapt:
+        daemon = python_process(
+            _GRAFT,
+            ["graft", "--logs", str(logs), "--publish", str(publish_dir), "--target",
+             str(project_path("checkpoints/target_tiny")), "--publish-seconds", str(publish_seconds),
+             "--commit-seconds", "1", "--poll-seconds", "0.2"],
+        )  # fmt: skip
+    sent: list[tuple[str, str]] = []
+    try:
+        with httpx.Client(timeout=300) as http:
+            for i, (domain, prompt) in enumerate(order):
+                if i == requests and adapt:
+                    wait_for_version(server, time.time() + 120)
+                body = {"model": "target_tiny", "prompt": prompt, "max_tokens": max_tokens,
+                        "temperature": temperature, "seed": i}  # fmt: skip
+                response = http.post(f"{server.url}/v1/completions", json=body)
+                if response.status_code != 200:
+                    raise RuntimeError(f"request {i} failed: {response.status_code} {response.text}")
+                sent.append((domain, response.json()["id"]))
+    finally:
+        server.stop()
+        if daemon is not None:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(timeout=120)
+    if daemon is not None and daemon.returncode != 0:
+        raise RuntimeError(f"the graft daemon exited with {daemon.returncode}:\n{daemon.stdout.read()[-2000:]}")
+    steps: dict[str, list[dict]] = {}
+    for segment in sorted(logs.glob("*.jsonl")):
+        for line in segment.read_text().splitlines():
+            record = validate(json.loads(line))
+            if record["kind"] == "step":
+                steps.setdefault(record["request"], []).append(record)
+    served = []
+    for i, (domain, rid) in enumerate(sent):
+        mine = steps.get(rid, [])
+        tau = sum(len(r["accepted"]) + 1 for r in mine) / max(len(mine), 1)
+        version = max((r["drafter_version"] or 0 for r in mine), default=0)
+        served.append(Served(i, domain, rid, tau, len(mine), version))
+    return served
+
+
+def windows(served: list[Served], size: int) -> list[dict]:
+    """τ per window of ``size`` consecutive requests of one domain (steps-weighted)."""
+    rows = []
+    for start in range(0, len(served), size):
+        chunk = [s for s in served[start : start + size] if s.domain == served[start].domain]
+        steps = sum(s.steps for s in chunk)
+        rows.append({
+            "requests": f"{chunk[0].index}-{chunk[-1].index}",
+            "domain": chunk[0].domain,
+            "versions": sorted({s.version for s in chunk}),
+            "tau": sum(s.tau * s.steps for s in chunk) / max(steps, 1),
+        })  # fmt: skip
+    return rows
+
+
+def write_report(out: Path, served: list[Served], size: int, control: list[Served] | None = None) -> list[dict]:
+    """``loop.md``, ``loop.json`` and ``loop.png``; with ``control`` (the same stream served without the
+    daemon), its τ per window beside the loop's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = windows(served, size)
+    if control is not None:
+        for row, other in zip(rows, windows(control, size), strict=True):
+            row["tau_without_daemon"] = other["tau"]
+    lines = ["| requests | domain | adjacency versions | τ | τ without daemon |", "|---|---|---|---|---|"]
+    for r in rows:
+        without = f"{r['tau_without_daemon']:.3f}" if "tau_without_daemon" in r else ""
+        lines.append(f"| {r['requests']} | {r['domain']} | {r['versions']} | {r['tau']:.3f} | {without} |")
+    (out / "loop.md").write_text("\n".join(lines) + "\n")
+    record = {"requests": [asdict(s) for s in served], "windows": rows}
+    (out / "loop.json").write_text(json.dumps(record, indent=1))
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for domain, color in (("stdlib", "tab:blue"), ("foreign", "tab:orange")):
+        mine = [s for s in served if s.domain == domain]
+        ax.plot([s.index for s in mine], [s.tau for s in mine], ".", color=color, alpha=0.5, label=domain)
+    centers = [sum(map(int, r["requests"].split("-"))) / 2 for r in rows]
+    ax.plot(centers, [r["tau"] for r in rows], "k-", label=f"τ per {size} requests")
+    if control is not None:
+        ax.plot(centers, [r["tau_without_daemon"] for r in rows], "k--", label="the same without the daemon")
+    changes = [s.index for prev, s in itertools.pairwise(served) if s.version != prev.version]
+    for x in changes:
+        ax.axvline(x, color="gray", linestyle=":", linewidth=1)
+    ax.set_xlabel("request (dotted: a new published adjacency in use)")
+    ax.set_ylabel("τ (tokens per verification)")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out / "loop.png", dpi=120)
+    plt.close(fig)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--requests", type=int, default=40, help="stdlib requests; twice as many foreign ones follow")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--publish-seconds", type=float, default=5.0)
+    p.add_argument("--window", type=int, default=10)
+    p.add_argument("--no-control", action="store_true", help="skip serving the stream again without the daemon")
+    args = p.parse_args()
+    start = time.time()
+    served = run_loop(args.out / "loop", args.requests, args.max_tokens, args.temperature, args.publish_seconds)
+    control = None
+    if not args.no_control:
+        control = run_loop(
+            args.out / "control", args.requests, args.max_tokens, args.temperature, args.publish_seconds, adapt=False
+        )
+    rows = write_report(args.out, served, args.window, control)
+    print((args.out / "loop.md").read_text())
+    foreign = [r for r in rows if r["domain"] == "foreign"]
+    print(f"foreign τ: first window {foreign[0]['tau']:.3f} (versions {foreign[0]['versions']}), last "
+          f"{foreign[-1]['tau']:.3f} (versions {foreign[-1]['versions']}); {time.time() - start:.0f} s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Prometheus metrics of the server (``GET /metrics``), one registry per server so tests can run several.
+
+- ``trainer_tau``: tokens committed per request-step (bonus included), averaged over recent steps;
+- ``trainer_tokens_per_second``: tokens committed per second of engine time over recent steps;
+- ``trainer_queue_depth``, ``trainer_batch_size``: requests waiting to join, requests in the batch;
+- ``trainer_drafter_version``, ``trainer_adjacency_version``: published versions in use (0: the shipped ones);
+- ``trainer_quarantined_snapshots_total`` and ``trainer_last_reload_error``: snapshots that failed to load;
+- ``trainer_steps_total{arm}``: steps per controller arm (``tree@budget``), ``trainer_arm_tau{arm}``: the
+  controller's τ estimate per arm; ``trainer_tokens_total``;
+  ``trainer_requests_total{status}``; ``trainer_engine_errors_total``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info
+
+from trainer.spec.batch import RowStep
+
+# Weight of the newest step in the moving averages.
+DECAY = 0.05
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.tau = Gauge(
+            "trainer_tau", "tokens committed per request-step, bonus included (moving average)", registry=r
+        )
+        self.tokens_per_second = Gauge(
+            "trainer_tokens_per_second", "tokens committed per second of engine time (moving average)", registry=r
+        )
+        self.queue_depth = Gauge("trainer_queue_depth", "requests waiting to join the batch", registry=r)
+        self.batch_size = Gauge("trainer_batch_size", "requests in the running batch", registry=r)
+        self.drafter_version = Gauge("trainer_drafter_version", "published drafter version in use", registry=r)
+        self.adjacency_version = Gauge("trainer_adjacency_version", "published adjacency version in use", registry=r)
+        self.quarantined = Counter(
+            "trainer_quarantined_snapshots", "published snapshots that failed to load (old version kept)", registry=r
+        )
+        self.last_reload_error = Info("trainer_last_reload_error", "why the last snapshot failed to load", registry=r)
+        self.steps = Counter("trainer_steps", "engine steps per controller arm", ["arm"], registry=r)
+        self.arm_tau = Gauge("trainer_arm_tau", "the controller's τ estimate per arm", ["arm"], registry=r)
+        self.tokens = Counter("trainer_tokens", "tokens committed", registry=r)
+        self.requests = Counter("trainer_requests", "requests by status", ["status"], registry=r)
+        self.engine_errors = Counter("trainer_engine_errors", "engine steps that failed", registry=r)
+        self._tau: float | None = None
+        self._rate: float | None = None
+
+    def observe_step(self, events: list[RowStep], seconds: float) -> None:
+        tokens = sum(len(e.new) for e in events)
+        self.tokens.inc(tokens)
+        self.steps.labels(f"{events[0].event.builder}@{events[0].event.budget}").inc()
+        tau, rate = tokens / len(events), tokens / max(seconds, 1e-9)
+        self._tau = tau if self._tau is None else self._tau + DECAY * (tau - self._tau)
+        self._rate = rate if self._rate is None else self._rate + DECAY * (rate - self._rate)
+        self.tau.set(self._tau)
+        self.tokens_per_second.set(self._rate)

@@ -1,0 +1,217 @@
+"""The engine thread: steps the batch, reloads published snapshots between steps, writes verifier logs.
+
+Requests are submitted from the server's event loop and get their tokens back through their ``on_tokens``
+callback (called on this thread). A snapshot directory named by ``--watch`` is looked at every
+``reload_seconds``: a new version holding ``adjacency.safetensors`` replaces the recycling adjacency, one
+holding a drafter's HF export (``config.json``) replaces the drafter for requests that join afterwards. A
+version that fails to load is counted as quarantined and the old one stays in use. On CPU::
+
+    python -c "from trainer.serve.worker import Worker; help(Worker)"
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.adapt.publish import ADJACENCY, load_adjacency, read_current
+from trainer.serve.metrics import Metrics
+from trainer.spec.batch import BatchEngine, BatchRequest, RowStep
+from trainer.spec.controller import Controller
+from trainer.spec.drafting import load_drafter
+from trainer.spec.engine import make_session
+from trainer.vlog.recorder import StepRecorder
+from trainer.vlog.writer import LogWriter
+
+LOG = logging.getLogger("trainer.serve")
+
+
+@dataclass
+class Identity:
+    """Who a request is, for its verifier-log records."""
+
+    request: str
+    tenant: str | None
+    shareable: bool = True
+
+
+@dataclass
+class Watched:
+    directory: Path
+    # The version in use (0: none yet) and the newest version that failed to load.
+    version: int = 0
+    failed: int = 0
+
+
+class Worker:
+    """Owns a :class:`BatchEngine` and the thread that steps it."""
+
+    def __init__(
+        self,
+        engine: BatchEngine,
+        metrics: Metrics,
+        server: str,
+        drafter_name: str | None,
+        neural_tree: str | None,
+        writer: LogWriter | None = None,
+        watch: tuple[Path, ...] = (),
+        reload_seconds: float = 0.5,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.server = server
+        self.drafter_name = drafter_name
+        self.neural_tree = neural_tree
+        self.drafter_version: int | None = None
+        self.adjacency_version: int | None = None
+        self.writer = writer
+        self.watched = [Watched(Path(d)) for d in watch]
+        self.reload_seconds = reload_seconds
+        self.identities: dict[int, Identity] = {}
+        self.wake = threading.Event()
+        self.stopping = False
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._last_reload = 0.0
+        engine.on_step = self._on_step
+
+    def start(self) -> None:
+        self.reload()
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.wake.set()
+        self.thread.join(timeout=30)
+        if self.writer is not None:
+            self.writer.close()
+
+    def submit(self, request: BatchRequest, identity: Identity) -> None:
+        """Queue ``request``; thread-safe. Its request record is written when it finishes."""
+        self.identities[id(request)] = identity
+        on_tokens = request.on_tokens
+
+        def finish_aware(tokens: list[int], done: bool) -> None:
+            if done:
+                self._on_finish(request)
+            if on_tokens is not None:
+                on_tokens(tokens, done)
+
+        request.on_tokens = finish_aware
+        self.metrics.requests.labels("submitted").inc()
+        self.engine.submit(request)
+        self.wake.set()
+
+    # ---- engine thread ----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self.stopping:
+            if time.monotonic() - self._last_reload >= self.reload_seconds:
+                self.reload()
+            self.metrics.queue_depth.set(self.engine.pending.qsize())
+            start = time.perf_counter()
+            try:
+                events = self.engine.step()
+            except Exception as e:  # a failed step fails its requests, never the server
+                self.error = f"engine step failed: {type(e).__name__}: {e}"
+                LOG.exception("engine step failed; its requests end with an error")
+                self.metrics.engine_errors.inc()
+                self.engine.abort("error")
+                continue
+            self.metrics.batch_size.set(len(self.engine.rows))
+            if not events:
+                self.wake.wait(self.reload_seconds)
+                self.wake.clear()
+                continue
+            self.metrics.observe_step(events, time.perf_counter() - start)
+            if isinstance(self.engine.policy, Controller):
+                for arm, tau in self.engine.policy.taus().items():
+                    self.metrics.arm_tau.labels(arm).set(tau)
+
+    def _recorder(self, identity: Identity, drafter: str | None, version: int | None) -> StepRecorder:
+        return StepRecorder(
+            self.writer,
+            server=self.server,
+            request=identity.request,
+            tenant=identity.tenant,
+            shareable=identity.shareable,
+            drafter=drafter,
+            drafter_version=version,
+        )
+
+    def _on_step(self, row: RowStep) -> None:
+        if self.writer is None:
+            return
+        # Versions change between steps (hot reload), so each step gets its recorder.
+        neural = row.event.builder == self.neural_tree
+        drafter = self.drafter_name if neural else None
+        version = self.drafter_version if neural else self.adjacency_version
+        self._recorder(self.identities[id(row.request)], drafter, version)(row.event)
+
+    def _on_finish(self, request: BatchRequest) -> None:
+        identity = self.identities.pop(id(request))
+        self.metrics.requests.labels(request.finish_reason or "unknown").inc()
+        if self.writer is not None:
+            self._recorder(identity, None, None).finish(request.prompt.tolist(), list(request.tokens))
+
+    def reload(self) -> None:
+        """Load the newest version of every watched directory that changed; a failure keeps the old one."""
+        self._last_reload = time.monotonic()
+        for watched in self.watched:
+            try:
+                current = read_current(watched.directory)
+            except Exception as e:  # a torn or foreign pointer file must not stop serving
+                self._quarantine(watched, watched.failed, f"{watched.directory}: {e}")
+                continue
+            if current is None:
+                continue
+            version, path = current
+            if version in (watched.version, watched.failed):
+                continue
+            try:
+                self._load(path, version)
+            except Exception as e:  # any failure to load keeps the old version; /metrics shows it
+                watched.failed = version
+                self._quarantine(watched, version, f"{path}: {type(e).__name__}: {e}")
+                continue
+            watched.version = version
+
+    def _quarantine(self, watched: Watched, version: int, reason: str) -> None:
+        self.metrics.quarantined.inc()
+        self.metrics.last_reload_error.info({"directory": str(watched.directory), "reason": reason[:500]})
+        self.error = reason
+
+    def _load(self, path: Path, version: int) -> None:
+        if (path / ADJACENCY).is_file():
+            self.engine.set_adjacency(load_adjacency(path))
+            self.adjacency_version = version
+            self.metrics.adjacency_version.set(version)
+        elif (path / "config.json").is_file():
+            drafter = load_drafter(path).to(self.engine.device)
+            if self.neural_tree is not None:
+                # Fails (UserError) when this drafter cannot serve the configured builder.
+                make_session(self.neural_tree, self.engine.target, drafter, self.engine.options)
+            self.engine.set_drafter(drafter)
+            self.drafter_version = version
+            self.metrics.drafter_version.set(version)
+        else:
+            raise ValueError(f"{path} holds neither {ADJACENCY} nor a drafter's config.json")
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def seeded_generator(seed: int | None) -> torch.Generator:
+    """The request's sampling generator: its ``seed``, or a fresh random one."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator

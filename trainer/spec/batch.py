@@ -1,0 +1,449 @@
+"""Continuous batching: many requests share one target forward per step, each verifying its own draft tree.
+
+Requests join between steps (each is prefilled alone, then its KV cache joins the batch's) and leave between
+steps (finished, or cancelled by their client). One step asks the policy for a tree builder and a budget for
+the whole batch, lets every request's own drafting session build its tree, and verifies all trees in one
+target forward. Each request keeps its own positions, sampling generator and stop conditions, so its output
+is the one :func:`trainer.spec.engine.generate` gives it alone (greedy exactly; sampled under its seed, since
+acceptance draws one target sample per committed position from the request's generator).
+
+The KV cache is ragged: ``(B, heads, L, dim)`` with a validity mask ``(B, L)``. A step appends ``T`` columns
+(the largest tree; smaller trees are padded); the columns of rejected or padding nodes become holes, masked
+out of every later step by an additive 4-D mask built from each row's validity and its tree's ancestor mask.
+Column order does not matter to attention (positions are rotated into the keys), so no step copies the cache
+to close holes: trailing holes are cropped (a view), and the cache is compacted (one gather) only once holes
+make up half of it, which costs O(1) copies per column over a run.
+
+Drafting sessions stay per request: Token Recycling needs no drafter forward, and one adjacency is shared by
+all requests (its hot start); neural drafters draft one request at a time in this version.
+
+On CPU with the shipped tiny target::
+
+    python -c "
+    import torch; from transformers import AutoModelForCausalLM as A
+    from trainer.spec.batch import BatchEngine, BatchRequest, Fixed
+    t = A.from_pretrained('checkpoints/target_tiny', dtype=torch.float32).eval()
+    e = BatchEngine(t, None, ('recycling',), Fixed('recycling', 16))
+    rs = [BatchRequest(torch.tensor(p), 24) for p in ([1, 2, 3], [4, 5])]
+    [e.submit(r) for r in rs]
+    while e.busy: e.step()
+    print([r.tokens for r in rs])"
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from trainer.masks import additive_mask
+from trainer.spec.drafting import DraftSession, RecyclingSession
+from trainer.spec.engine import BUILDERS, DEFAULT_OPTIONS, Clock, Step, StepEvent, _cache_kwarg, make_session
+from trainer.spec.options import TreeOptions
+from trainer.spec.verify import GREEDY, Sampling, accept, committed
+
+
+@dataclass(eq=False)
+class BatchRequest:
+    """One generation: the caller's inputs, then the engine's state and output."""
+
+    # Shape: (P,)
+    prompt: torch.Tensor
+    max_new_tokens: int
+    sampling: Sampling = GREEDY
+    generator: torch.Generator | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    # Called on the engine thread with each step's newly committed tokens, then once with [] when done.
+    on_tokens: Callable[[list[int], bool], None] | None = None
+    # The new tokens, the prefill's first token included.
+    tokens: list[int] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
+    finished: bool = False
+    # Set from any thread; the engine drops the request before its next step.
+    cancelled: bool = False
+    # Why it finished: "stop" (a stop token), "length" (max_new_tokens), "cancelled", or "error" (see abort).
+    finish_reason: str | None = None
+    # Positions of this request in the target's cache (prompt + committed tokens before the last).
+    past_len: int = 0
+    sessions: dict[type, DraftSession] = field(default_factory=dict)
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.tokens)
+
+
+@dataclass
+class RowStep:
+    """What one request's row did in one step."""
+
+    request: BatchRequest
+    # The verifier log's view of the step: tree, accepted path, logits, ms; ``step`` counts the request's steps.
+    event: StepEvent
+    # Tokens committed (accepted drafts then the bonus, cut at max_new_tokens or a stop token).
+    new: list[int]
+
+
+class Policy(Protocol):
+    """Chooses the builder and budget of the next step and learns from what it cost."""
+
+    def choose(self, batch_size: int) -> tuple[str, int]: ...
+
+    def observe(self, tree: str, budget: int, batch_size: int, rows: list[RowStep], seconds: float) -> None: ...
+
+
+@dataclass
+class Fixed:
+    """Always the same builder and budget."""
+
+    tree: str
+    budget: int
+
+    def choose(self, batch_size: int) -> tuple[str, int]:
+        return self.tree, self.budget
+
+    def observe(self, tree: str, budget: int, batch_size: int, rows: list[RowStep], seconds: float) -> None:
+        return None
+
+
+class RaggedCache:
+    """The batch's target KV cache: a ``DynamicCache`` of ``(B, heads, L, dim)`` layers plus ``valid`` (B, L)."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.cache = DynamicCache(config=config)
+        # Shape: (B, L) bool: column j of row b holds one of b's committed positions.
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[1]
+
+    def _layers(self) -> list[DynamicLayer]:
+        for layer in self.cache.layers:
+            if type(layer) is not DynamicLayer:
+                raise TypeError(f"batched verification needs full-attention caches; got a {type(layer).__name__}")
+        return self.cache.layers
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for layer in self._layers():
+            if layer.is_initialized:
+                layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+
+    def join(self, row: DynamicCache, length: int) -> None:
+        """Append a request prefilled alone (a one-row cache of ``length`` positions) as the last row."""
+        total = max(self.length, length)
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, 0, 0, total - t.shape[-2]))
+
+        if self.valid.shape[0] == 0:
+            self.cache = row
+            self.valid = torch.ones(1, length, dtype=torch.bool)
+            return
+        for mine, theirs in zip(self._layers(), row.layers, strict=True):
+            mine.keys = torch.cat([pad(mine.keys), pad(theirs.keys)])
+            mine.values = torch.cat([pad(mine.values), pad(theirs.values)])
+        new = torch.zeros(1, total, dtype=torch.bool)
+        new[0, :length] = True
+        self.valid = torch.cat([torch.nn.functional.pad(self.valid, (0, total - self.length)), new])
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Drop every row not in ``rows`` (in order)."""
+        if not rows:
+            self.cache = DynamicCache(config=self.config)
+            self.valid = torch.zeros(0, 0, dtype=torch.bool)
+            return
+        index = torch.tensor(rows)
+        self._map(lambda t: t.index_select(0, index.to(t.device)))
+        self.valid = self.valid[index]
+        self._trim()
+
+    def commit(self, appended: torch.Tensor) -> None:
+        """The last forward appended ``T`` columns; ``appended`` (B, T) says which of them each row keeps."""
+        self.valid = torch.cat([self.valid, appended], dim=1)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Crop trailing holes (a view); gather the valid columns to the left once holes are half the cache."""
+        used = self.valid.any(0).nonzero()
+        end = int(used.max()) + 1 if used.numel() else 0
+        if end < self.length:
+            self._map(lambda t: t[..., :end, :])
+            self.valid = self.valid[:, :end]
+        counts = self.valid.sum(1)
+        width = int(counts.max()) if counts.numel() else 0
+        if 2 * width > self.length:
+            return
+        # Stable sort puts each row's valid columns first, in their order.
+        order = (~self.valid).to(torch.int8).argsort(dim=1, stable=True)[:, :width]
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            index = order.to(t.device)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
+            return t.gather(2, index)
+
+        self._map(gather)
+        self.valid = torch.arange(width)[None] < counts[:, None]
+
+    def mask(self, ancestors: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Additive attention mask for appending ``T`` columns: a row's node sees its row's valid columns and
+        the nodes marked in ``ancestors`` (B, T, T) bool. Shape: (B, 1, T, L + T)"""
+        rows, t = ancestors.shape[:2]
+        visible = torch.cat([self.valid[:, None, :].expand(rows, t, -1), ancestors], dim=2)
+        return additive_mask(visible[:, None].to(device), dtype)
+
+
+class BatchEngine:
+    """Steps a batch of requests on ``target``; ``trees`` names the builders requests can be drafted with."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        drafter: torch.nn.Module | None,
+        trees: tuple[str, ...],
+        policy: Policy,
+        options: TreeOptions = DEFAULT_OPTIONS,
+        on_step: Callable[[RowStep], None] | None = None,
+        max_batch: int = 16,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.trees = tuple(dict.fromkeys(("none", *trees)))
+        self.policy = policy
+        self.options = options
+        self.on_step = on_step
+        self.max_batch = max_batch
+        self.device = target.device
+        self.dtype = next(target.parameters()).dtype
+        self.cache_kw = _cache_kwarg(target)
+        # One adjacency for all requests: it keeps learning across them.
+        self.recycling = RecyclingSession(target.config.vocab_size, options.recycling_width, device=self.device)
+        # The adjacency as last loaded (empty at start): rows that differ from it were learnt here since.
+        self._loaded_adjacency = self.recycling.adjacency.clone()
+        self.rows: list[BatchRequest] = []
+        self.cache = RaggedCache(target.config)
+        self.pending: queue.SimpleQueue[BatchRequest] = queue.SimpleQueue()
+        self.steps = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows) or not self.pending.empty()
+
+    def submit(self, request: BatchRequest) -> None:
+        """Queue a request; thread-safe. It joins the batch before the next step."""
+        self.pending.put(request)
+
+    def set_drafter(self, drafter: torch.nn.Module | None) -> None:
+        """A new drafter for requests that join from now on (requests in flight keep their sessions). Call
+        between steps."""
+        self.drafter = drafter
+
+    def set_adjacency(self, adjacency: torch.Tensor) -> None:
+        """Load a published recycling adjacency (V, k) token ids, -1 = empty. Call between steps; a wrong shape
+        or id is a ValueError and changes nothing.
+
+        Rows the server itself rewrote since the previous load (from the prompts and trees of the requests it
+        is serving) are newer evidence than any snapshot, which a daemon built from older logs: they are kept,
+        and the snapshot fills every other row. The server keeps learning from there."""
+        current = self.recycling.adjacency
+        vocab = current.shape[0]
+        if adjacency.dim() != 2 or adjacency.shape[0] != vocab or adjacency.shape[1] < 1:
+            raise ValueError(f"adjacency of shape {tuple(adjacency.shape)}; this target needs ({vocab}, k)")
+        if adjacency.dtype not in (torch.int32, torch.int64) or adjacency.min() < -1 or adjacency.max() >= vocab:
+            raise ValueError(f"adjacency must hold token ids in [-1, {vocab}) as int32/int64")
+        merged = adjacency.to(torch.long).to(self.device)
+        local = (current != self._loaded_adjacency).any(1)
+        width = min(merged.shape[1], current.shape[1])
+        merged[local] = -1
+        merged[local, :width] = current[local, :width]
+        self.recycling.adjacency = merged
+        self._loaded_adjacency = merged.clone()
+
+    def _sessions(self) -> dict[type, DraftSession]:
+        sessions: dict[type, DraftSession] = {}
+        for tree in self.trees:
+            kind = BUILDERS[tree].session
+            if kind in sessions:
+                continue
+            if kind is RecyclingSession:
+                sessions[kind] = self.recycling
+            elif kind is DraftSession:
+                sessions[kind] = DraftSession()
+            else:
+                sessions[kind] = make_session(tree, self.target, self.drafter, self.options)
+        return sessions
+
+    def _features(self, out, layer_ids: tuple[int, ...], row: int, cols) -> torch.Tensor | None:
+        if not layer_ids:
+            return None
+        return torch.cat([out.hidden_states[layer + 1][row, cols] for layer in layer_ids], dim=-1)
+
+    def _finish(self, request: BatchRequest, reason: str) -> None:
+        request.finished = True
+        request.finish_reason = reason
+        if request.on_tokens is not None:
+            request.on_tokens([], True)
+
+    def _prefill(self, request: BatchRequest) -> DynamicCache | None:
+        """Prefill alone; the request's one-row cache, or None when it already finished."""
+        request.sessions = self._sessions()
+        sessions = list(request.sessions.values())
+        layer_ids = tuple(sorted({i for s in sessions for i in s.layer_ids}))
+        cache = DynamicCache(config=self.target.config)
+        prompt = request.prompt.to(self.device)
+        out = self.target(
+            input_ids=prompt[None],
+            use_cache=True,
+            output_hidden_states=bool(layer_ids),
+            logits_to_keep=0 if any(s.needs_prompt_logits for s in sessions) else 1,
+            **{self.cache_kw: cache},
+        )
+        logits = out.logits[0].float()
+        request.tokens = [request.sampling.next_token(logits[-1], request.generator)]
+        for session in sessions:
+            session.start(prompt, self._features(out, session.layer_ids, 0, slice(None)), logits)
+        request.past_len = prompt.numel()
+        if request.on_tokens is not None:
+            request.on_tokens(list(request.tokens), False)
+        if request.tokens[-1] in request.stop_token_ids:
+            self._finish(request, "stop")
+        elif request.remaining <= 0:
+            self._finish(request, "length")
+        return None if request.finished else cache
+
+    def _admit(self) -> None:
+        while len(self.rows) < self.max_batch and not self.pending.empty():
+            request = self.pending.get()
+            if request.cancelled:
+                self._finish(request, "cancelled")
+                continue
+            row = self._prefill(request)
+            if row is not None:
+                self.cache.join(row, request.past_len)
+                self.rows.append(request)
+
+    def abort(self, reason: str) -> None:
+        """Finish every active and waiting request with ``reason`` and empty the batch (after a failed step)."""
+        for request in self.rows:
+            if not request.finished:
+                self._finish(request, reason)
+        while not self.pending.empty():
+            self._finish(self.pending.get(), reason)
+        self.rows = []
+        self.cache = RaggedCache(self.target.config)
+
+    def _drop(self) -> None:
+        """Remove finished and cancelled rows."""
+        for request in self.rows:
+            if request.cancelled and not request.finished:
+                self._finish(request, "cancelled")
+        keep = [i for i, r in enumerate(self.rows) if not r.finished]
+        if len(keep) < len(self.rows):
+            self.cache.keep_rows(keep)
+            self.rows = [self.rows[i] for i in keep]
+
+    @torch.no_grad()
+    def step(self) -> list[RowStep]:
+        """Admit waiting requests, verify one tree per active request, commit; [] when there is nothing to do."""
+        self._drop()
+        self._admit()
+        if not self.rows:
+            return []
+        return self._step()
+
+    def _step(self) -> list[RowStep]:
+        start = time.perf_counter()
+        rows, batch = self.rows, len(self.rows)
+        tree_name, budget = self.policy.choose(batch)
+        builder = BUILDERS[tree_name]
+        clock = Clock(self.device)
+        forwards = [sum(s.forwards for s in r.sessions.values()) for r in rows]
+        trees = [
+            builder.build(r.sessions[builder.session], r.tokens[-1], budget, r.remaining, clock, self.options)
+            for r in rows
+        ]
+        layer_ids = tuple(sorted({i for r in rows for s in r.sessions.values() for i in s.layer_ids}))
+        with clock("verify"):
+            width = max(t.tokens.numel() for t in trees)
+            ids = torch.zeros(batch, width, dtype=torch.long)
+            positions = torch.zeros(batch, width, dtype=torch.long)
+            # Padding nodes see only themselves (a row of -inf would give NaN), and no real node sees them.
+            ancestors = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1)
+            depths = []
+            for b, (request, tree) in enumerate(zip(rows, trees, strict=True)):
+                n = tree.tokens.numel()
+                depth = tree.depths()
+                depths.append(depth)
+                ids[b, :n] = tree.tokens
+                positions[b, :n] = request.past_len + depth
+                positions[b, n:] = request.past_len
+                ancestors[b, :n, :n] = tree.ancestor_mask()
+            out = self.target(
+                input_ids=ids.to(self.device),
+                position_ids=positions.to(self.device),
+                attention_mask=self.cache.mask(ancestors, self.dtype, self.device),
+                use_cache=True,
+                output_hidden_states=bool(layer_ids),
+                **{self.cache_kw: self.cache.cache},
+            )
+            logits = out.logits.float()
+            results = [
+                accept(tree, logits[b, : tree.tokens.numel()], r.sampling, r.generator)
+                for b, (r, tree) in enumerate(zip(rows, trees, strict=True))
+            ]
+        with clock("commit"):
+            appended = torch.zeros(batch, width, dtype=torch.bool)
+            news = []
+            for b, (request, tree, result) in enumerate(zip(rows, trees, results, strict=True)):
+                new = committed(tree, result, request.remaining, request.stop_token_ids)
+                path = result.path[: len(new)]
+                appended[b, path] = True
+                cols = torch.tensor(path, device=self.device)
+                row_logits = logits[b, : tree.tokens.numel()]
+                for session in request.sessions.values():
+                    session.commit(
+                        [request.tokens[-1], *new[:-1]],
+                        self._features(out, session.layer_ids, b, cols),
+                        tree,
+                        row_logits,
+                    )
+                request.past_len += len(path)
+                request.tokens.extend(new)
+                news.append(new)
+            self.cache.commit(appended)
+        ms = {phase: 1000 * clock.seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify")}
+        events = []
+        for b, (request, tree, result, new) in enumerate(zip(rows, trees, results, news, strict=True)):
+            request.steps.append(
+                Step(
+                    result.accepted,
+                    len(new),
+                    tree.size,
+                    int(depths[b].max()),
+                    sum(s.forwards for s in request.sessions.values()) - forwards[b],
+                    dict(clock.seconds),
+                )
+            )
+            pos = request.past_len - len(result.path[: len(new)])
+            logits_b = logits[b, : tree.tokens.numel()]
+            root = int(tree.tokens[0])
+            step = len(request.steps) - 1
+            event = StepEvent(step, pos, root, tree, result.path, result.bonus, logits_b, ms, budget, tree_name)
+            events.append(RowStep(request, event, new))
+            # The step is reported before the request can finish, so a request's records precede its end.
+            if self.on_step is not None:
+                self.on_step(events[-1])
+            if request.on_tokens is not None:
+                request.on_tokens(new, False)
+            if new[-1] in request.stop_token_ids:
+                self._finish(request, "stop")
+            elif request.remaining <= 0:
+                self._finish(request, "length")
+        self.steps += 1
+        self.policy.observe(tree_name, budget, batch, events, time.perf_counter() - start)
+        return events

@@ -1,0 +1,140 @@
+"""The cost-aware controller: per step, the builder and budget (down to no speculation) that maximise the
+batch's expected tokens per second, from costs and acceptance measured live.
+
+An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-free retrieval
+(``recycling``) and the neural drafter's builder at a few budgets. The rule, per step at batch size ``B``:
+
+- expected throughput of an arm = ``B · τ(arm) / cost(arm, B)``, where ``τ(arm) = 1 + Σ_d reach_d(arm)`` and
+  ``reach_d`` is an exponential moving average, over the rows of steps that used the arm, of "the accepted
+  path reached depth ``d``" (the live acceptance by depth), and ``cost(arm, B)`` is an exponential moving
+  average of the logarithm of the measured wall time of whole steps (drafting, tree, verification, commit)
+  with that arm at that batch size (a geometric mean: one step descheduled on a shared machine does not sink
+  an arm); an arm not yet measured at ``B`` is estimated from its nearest measured batch size ``B'`` as
+  ``cost(arm, B') · B / B'`` (both averages start as plain means, so early figures are not biased);
+- an arm never measured at all is tried first, once;
+- probing: while the time spent on steps that were not the best estimate stays under ``probe_share`` of all
+  step time (plus ``probe_grace`` seconds, so that a fresh server can look around), a step goes to the arm
+  whose figure at this batch size is oldest among those whose estimated step fits in what is left of that
+  budget, so that acceptance that grows (the recycling adjacency learns)
+  or costs that move are noticed; every other step takes the best estimate.
+
+Probing is budgeted in time, not steps, because one probe of an expensive arm (a neural tree of 16 nodes per
+row at batch 8) can cost as much as dozens of plain steps. Nothing is assumed about the hardware: on a CPU
+where a drafter forward costs about as much as verifying a dozen tokens, the neural arms measure slower than
+plain decoding and lose; on an accelerator, where verifying 16-64 tokens costs about one, the same rule picks
+them. On CPU::
+
+    python -c "from trainer.spec.controller import Controller; c = Controller(Controller.arms('ddtree')); \\
+        print(c.choose(1))"
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from trainer.spec.batch import RowStep
+
+RECYCLING_BUDGETS = (8, 16, 32)
+NEURAL_BUDGETS = (4, 8, 16)
+
+
+@dataclass
+class ArmStats:
+    # reach[d - 1]: EMA of P(accepted path reaches depth d), over `rows` row-steps.
+    reach: list[float] = field(default_factory=list)
+    rows: int = 0
+    # Batch size → [EMA of step seconds, step counter when last measured, measurements].
+    cost: dict[int, list[float]] = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        return 1.0 + sum(self.reach)
+
+
+class Controller:
+    """Chooses each step's arm from live measurements; see the module docstring for the rule."""
+
+    def __init__(
+        self,
+        arms: list[tuple[str, int]],
+        probe_share: float = 0.03,
+        probe_grace: float = 1.0,
+        tau_decay: float = 0.05,
+        cost_decay: float = 0.2,
+    ) -> None:
+        self.arms = list(arms)
+        self.stats = {arm: ArmStats() for arm in self.arms}
+        self.probe_share = probe_share
+        self.probe_grace = probe_grace
+        self.tau_decay = tau_decay
+        self.cost_decay = cost_decay
+        self.steps = 0
+        self.last: tuple[str, int] = self.arms[0]
+        self.probing = False
+        self.seconds = 0.0
+        self.probe_seconds = 0.0
+
+    @staticmethod
+    def arms(neural_tree: str | None) -> list[tuple[str, int]]:
+        """Plain decoding, recycling at a few budgets, and the neural builder at a few budgets if there is one."""
+        arms = [("none", 0)] + [("recycling", b) for b in RECYCLING_BUDGETS]
+        if neural_tree is not None and neural_tree not in ("none", "recycling"):
+            arms += [(neural_tree, b) for b in NEURAL_BUDGETS]
+        return arms
+
+    def cost(self, arm: tuple[str, int], batch_size: int) -> float | None:
+        """Estimated seconds of a step with ``arm`` at ``batch_size``; None if the arm was never measured."""
+        cells = self.stats[arm].cost
+        if batch_size in cells:
+            return cells[batch_size][0]
+        if not cells:
+            return None
+        near = min(cells, key=lambda b: abs(b - batch_size))
+        return cells[near][0] * batch_size / near
+
+    def throughput(self, arm: tuple[str, int], batch_size: int) -> float:
+        """Expected tokens per second of ``arm`` at ``batch_size`` (0 if never measured)."""
+        cost = self.cost(arm, batch_size)
+        return 0.0 if cost is None else batch_size * self.stats[arm].tau / cost
+
+    def choose(self, batch_size: int) -> tuple[str, int]:
+        self.steps += 1
+        best = max(self.arms, key=lambda a: self.throughput(a, batch_size))
+        never = [a for a in self.arms if not self.stats[a].cost]
+        if never:
+            self.last = never[0]
+        else:
+            # Only arms whose estimated step fits in what is left of the probing budget: one probe of an
+            # expensive arm must not overrun it many times over.
+            left = self.probe_share * self.seconds + self.probe_grace - self.probe_seconds
+            affordable = [a for a in self.arms if (self.cost(a, batch_size) or 0.0) <= left]
+            stalest = lambda a: self.stats[a].cost.get(batch_size, [0.0, -1, 0])[1]  # noqa: E731
+            self.last = min(affordable, key=stalest) if affordable else best
+        self.probing = self.last != best
+        return self.last
+
+    def observe(self, tree: str, budget: int, batch_size: int, rows: list[RowStep], seconds: float) -> None:
+        self.seconds += seconds
+        if self.probing:
+            self.probe_seconds += seconds
+        stats = self.stats.get((tree, budget))
+        if stats is None:
+            return
+        cell = stats.cost.setdefault(batch_size, [0.0, 0, 0])
+        cell[2] += 1
+        log_cost = math.log(cell[0]) if cell[2] > 1 else 0.0
+        cell[0] = math.exp(log_cost + max(self.cost_decay, 1 / cell[2]) * (math.log(max(seconds, 1e-9)) - log_cost))
+        cell[1] = self.steps
+        for row in rows:
+            depth = int(row.event.tree.depths().max()) if row.event.tree.size else 0
+            stats.reach += [0.0] * (depth - len(stats.reach))
+            stats.rows += 1
+            rate = max(self.tau_decay, 1 / stats.rows)
+            # A depth this tree did not reach counts as not reached: τ is what the arm's trees deliver.
+            for d, reach in enumerate(stats.reach, 1):
+                stats.reach[d - 1] = reach + rate * (float(len(row.event.path) > d) - reach)
+
+    def taus(self) -> dict[str, float]:
+        """The τ estimate of every arm, keyed ``"tree@budget"`` (for /metrics)."""
+        return {f"{tree}@{budget}": s.tau for (tree, budget), s in self.stats.items()}
