@@ -46,6 +46,7 @@ TINY = {
     "cache": ["--batch_size", "8"],
     "eval": ["--limit", "2", "--max-new-tokens", "4", "--no-greedy-beside"],
     "adapt": ["--once"],
+    "export": [],
 }
 
 
@@ -103,6 +104,9 @@ def test_readme_trainer_command(command, workdir, monkeypatch, capsys):
         assert len(regenerated) == 20 and json.loads(regenerated[0])["id"].startswith("chat.jsonl:")
     elif job == "adapt":
         assert read_current(workdir / argv[argv.index("--publish") + 1]) is not None
+    elif job == "export":
+        out_dir = workdir / argv[argv.index("--out") + 1]
+        assert json.loads((out_dir / "config.json").read_text())["auto_map"] and (out_dir / "model.safetensors").is_file()
     elif job == "cache":
         manifest = json.loads((workdir / "data" / "cache" / "feat" / "manifest.json").read_text())
         assert manifest["complete"] and manifest["config"]["layers"] == [1, 4, 7]

@@ -43,6 +43,7 @@ COMMANDS = {
     "eval": "a drafter in lossless speculative decoding: τ, speed-up, acceptance by depth (--help)",
     "serve": "an OpenAI-compatible server: continuous batching, verifier logs, hot reload (--help)",
     "adapt": "deployment daemons: `trainer adapt graft --logs DIR --publish DIR` (adjacency matrix from logs)",
+    "export": "a drafter in an engine's layout: --format dflash|treeflash|speculators|sglang|specblock (--help)",
 }
 
 USAGE = """usage: trainer fit|validate --recipe NAME|PATH [--key.sub VALUE ...] [--print_config]
@@ -133,7 +134,13 @@ def tokenizer_args(recipe: dict[str, Any], overrides: list[Override]) -> list[st
 def last_checkpoint(root: Path) -> Path:
     """The newest whole checkpoint of any run under ``root`` (checkpoints are written atomically, so a kill
     during a save leaves the previous one newest); an error, not a silent fresh start, when there is none."""
-    found = [p for p in root.glob("**/checkpoints/*.ckpt") if p.is_file()]
+    # A sharded checkpoint is a directory (FSDP2: with meta.pt; DeepSpeed: with latest); one being written is
+    # NAME.ckpt.partial.
+    found = [
+        p
+        for p in root.glob("**/checkpoints/*.ckpt")
+        if p.is_file() or (p / "meta.pt").is_file() or (p / "latest").is_file()
+    ]
     if not found:
         raise UserError(f"--ckpt_path last: no checkpoint under {root}; start without --ckpt_path to train anew")
     return max(found, key=lambda p: p.stat().st_mtime_ns)
@@ -199,6 +206,11 @@ def main(argv: list[str] | None = None) -> None:
             from trainer.adapt.cli import main as adapt_main
 
             adapt_main(rest)
+            return
+        if command == "export":
+            from trainer.export.cli import main as export_main
+
+            export_main(rest)
             return
         recipe_name, rest = _split_recipe_arg(rest)
         if recipe_name is None:

@@ -49,19 +49,36 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
-def write_dir_atomic(out: Path, save: Callable[[Path], None]) -> None:
-    """``save(tmp)`` into a sibling ``.partial`` directory, then swap it in for ``out``; the old one is removed
-    last, so a kill leaves ``out`` (old or new) or, between the two renames, ``out.old`` whole."""
-    tmp = out.with_name(out.name + ".partial")
-    old = out.with_name(out.name + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save(tmp)
+def partial_path(out: Path) -> Path:
+    """Where the next version of the directory ``out`` is written before :func:`swap_in` makes it ``out``."""
+    return out.with_name(out.name + ".partial")
+
+
+def swap_in(out: Path) -> None:
+    """Replace ``out`` (a directory, a file, or nothing) by its finished :func:`partial_path`, fsynced; the old one
+    is removed last, so a kill leaves ``out`` (old or new) or, between the two renames, ``out.old`` whole.
+    Sharded checkpoints call it on one rank once every rank has written its part."""
+    tmp, old = partial_path(out), out.with_name(out.name + ".old")
     for file in tmp.rglob("*"):
         if file.is_file():
             fsync(file)
+    _remove(old)
     if out.exists():
-        shutil.rmtree(old, ignore_errors=True)
         out.rename(old)
     tmp.rename(out)
     fsync(out.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def write_dir_atomic(out: Path, save: Callable[[Path], None]) -> None:
+    """``save(tmp)`` into a sibling ``.partial`` directory, then :func:`swap_in` it for ``out``."""
+    _remove(partial_path(out))
+    save(partial_path(out))
+    swap_in(out)

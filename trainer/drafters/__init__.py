@@ -1,5 +1,37 @@
 """Drafter architectures, one per file; parameter names equal the checkpoint keys of each reference format."""
 
-from trainer.drafters.dflash import DFlashDraftModel, build_config, target_layer_ids
+from __future__ import annotations
 
-__all__ = ["DFlashDraftModel", "build_config", "target_layer_ids"]
+from collections.abc import Sequence
+
+from transformers import PreTrainedModel
+
+from trainer.drafters.dflash import DFlashDraftModel, build_config, target_layer_ids
+from trainer.drafters.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
+from trainer.drafters.eagle3 import Eagle3DraftModel
+from trainer.drafters.specblock import SpecBlockDraftModel
+from trainer.drafters.treeflash import TreeFlashDraftModel
+from trainer.errors import UserError
+
+# The ``architectures`` name a saved config.json carries → the class that loads it.
+DRAFTER_CLASSES: dict[str, type[PreTrainedModel]] = {
+    "DFlashDraftModel": DFlashDraftModel,
+    "TreeFlashDraftModel": TreeFlashDraftModel,
+    EAGLE3_ARCHITECTURE: Eagle3DraftModel,
+    "SpecBlockDraftModel": SpecBlockDraftModel,
+}
+
+
+def drafter_class(architectures: Sequence[str], where: object) -> type[PreTrainedModel]:
+    """The drafter class of a config's ``architectures``; ``where`` (a file) names the config in the error.
+
+    A class's own name counts too: ``save_pretrained`` writes it into the in-memory config, which is what a
+    training checkpoint records (EAGLE-3's file carries SGLang's name instead)."""
+    by_name = {**{c.__name__: c for c in DRAFTER_CLASSES.values()}, **DRAFTER_CLASSES}
+    for name in architectures:
+        if name in by_name:
+            return by_name[name]
+    raise UserError(f"{where}: architectures {list(architectures)} name no drafter ({sorted(DRAFTER_CLASSES)})")
+
+
+__all__ = ["DRAFTER_CLASSES", "DFlashDraftModel", "build_config", "drafter_class", "target_layer_ids"]

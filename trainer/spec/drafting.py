@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from trainer.drafters import drafter_class
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.specblock import SpecBlockDraftModel, launch_mask
@@ -263,18 +264,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTra
     if not config_file.is_file():
         raise UserError(f"no drafter at {path}: {config_file} does not exist")
     architectures = json.loads(config_file.read_text()).get("architectures") or []
-    classes = {
-        "DFlashDraftModel": DFlashDraftModel,
-        "TreeFlashDraftModel": TreeFlashDraftModel,
-        "LlamaForCausalLMEagle3": Eagle3DraftModel,
-        "SpecBlockDraftModel": SpecBlockDraftModel,
-    }
-    for name in architectures:
-        if name in classes:
-            return classes[name].from_pretrained(path, dtype=dtype).eval()
-    raise UserError(
-        f"{config_file}: architectures {architectures} name no drafter this engine runs ({sorted(classes)})"
-    )
+    return drafter_class(architectures, config_file).from_pretrained(path, dtype=dtype).eval()
 
 
 class Eagle3Session(ContextSession):

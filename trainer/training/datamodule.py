@@ -3,7 +3,7 @@
 ``DraftData`` serves either token batches (``features: online``; the LightningModule runs the frozen target
 inside its step, ``trainer.data.features``) or batches read from a feature cache (``features: offline``,
 ``trainer.data.cache``); a drafter gets the same batch either way. Its order is a seeded permutation per epoch,
-and a resumed run starts at the batch its checkpoint had reached.
+split across the ranks, and a resumed run starts at the sample its checkpoint had reached, on any number of ranks.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Literal
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from trainer.data.cache import FeatureCache
 from trainer.data.pack import PackedRow, collate
@@ -33,20 +33,36 @@ class RowDataset(Dataset):
         return vars(self.rows[i])
 
 
-class ResumableSampler(Sampler[int]):
-    """A seeded permutation per epoch that can start after the first ``skip`` indices (resume mid-epoch)."""
+class ResumableSampler(DistributedSampler):
+    """A seeded permutation per epoch that can start after its first ``skip`` indices (resume mid-epoch), split
+    across ``world_size`` ranks so that the ranks together take the order in single-process steps.
 
-    def __init__(self, n: int, seed: int, epoch: int = 0, skip: int = 0) -> None:
+    Global batch ``g`` is ``order[skip + g·W·B :]``'s next ``W·B`` indices; rank ``r`` takes the ``r``-th ``B`` of
+    them. So a run on ``W`` ranks with batch ``B`` sees, step by step, what one process with batch ``B`` and
+    ``W``-step gradient accumulation sees; indices that would leave the ranks unequal are dropped. It subclasses
+    ``DistributedSampler`` only so that Lightning does not wrap it in a second, reshuffling one.
+    """
+
+    def __init__(
+        self, n: int, seed: int, epoch: int = 0, skip: int = 0, rank: int = 0, world_size: int = 1, batch_size: int = 1
+    ) -> None:
         self.n, self.seed, self.epoch, self.skip = n, seed, epoch, skip
+        self.rank, self.world_size, self.batch_size = rank, world_size, batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __iter__(self):
         order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
-        yield from order[self.skip :].tolist()
+        per_step = self.world_size * self.batch_size
+        rest = order[self.skip :]
+        rest = rest[: len(rest) // per_step * per_step].view(-1, self.world_size, self.batch_size)
+        yield from rest[:, self.rank].flatten().tolist()
 
     def __len__(self) -> int:
-        # The full epoch: after a resume Lightning counts the batches already taken (restored from the
-        # checkpoint) towards it, and ends the epoch when this many have been taken in all.
-        return self.n
+        # This rank's share of the full epoch: after a resume Lightning counts the batches already taken (restored
+        # from the checkpoint) towards it, and ends the epoch when this many have been taken in all.
+        return self.n // (self.world_size * self.batch_size) * self.batch_size
 
 
 class DraftData(L.LightningDataModule):
@@ -112,25 +128,43 @@ class DraftData(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled by (seed, epoch); after a resume it starts at the batch the checkpoint had reached."""
+        """Shuffled by (seed, epoch); after a resume it starts at the sample the checkpoint had reached, whatever
+        the number of ranks then and now (Lightning splits what remains of the order across the ranks)."""
         self.setup()
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
-        skip_batches = 0
-        if self._resume is not None and self._resume["epoch"] == epoch:
-            skip_batches = self._resume["batches"]
-        self._resume = None
         n = len(self._datasets["train"])
-        skip = min(n, skip_batches * self.batch_size)
-        return self._loader("train", ResumableSampler(n, self.spec.seed, epoch, skip))
+        skip = 0
+        if self._resume is not None and self._resume["epoch"] == epoch:
+            skip = min(n, self._resume["samples"])
+            if self._resume["world_size"] != self.trainer.world_size:
+                self._rescale_progress(skip)
+        self._resume = None
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
+        sampler = ResumableSampler(n, self.spec.seed, epoch, skip, rank, world, self.batch_size)
+        return self._loader("train", sampler)
+
+    def _rescale_progress(self, samples: int) -> None:
+        # Lightning restored the old run's per-rank batch count, in units of the old world size; the epoch ends
+        # when that count reaches the per-rank length, so it must count the batches this world size has taken.
+        # A save in on_train_batch_end records one batch fewer completed than ready; that offset stays.
+        taken = samples // (self.batch_size * self.trainer.world_size)
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
+        pending = progress.ready - progress.completed
+        progress.ready = progress.started = progress.processed = taken
+        progress.completed = taken - pending
 
     def state_dict(self) -> dict[str, int]:
-        """Saved in every checkpoint: the epoch and how many of its batches the run had taken."""
+        """Saved in every checkpoint: the epoch, and how many of its samples all ranks together had taken."""
         if self.trainer is None:
             return {}
-        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
-        return {"epoch": self.trainer.current_epoch, "batches": progress.ready}
+        batches = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        world = self.trainer.world_size
+        return {"epoch": self.trainer.current_epoch, "samples": batches * self.batch_size * world, "world_size": world}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        if state_dict and "samples" not in state_dict:
+            # A checkpoint from before world-size-aware resume: one rank, counted in batches.
+            state_dict = {**state_dict, "samples": state_dict["batches"] * self.batch_size, "world_size": 1}
         self._resume = dict(state_dict) if state_dict else None
 
     def val_dataloader(self) -> DataLoader:

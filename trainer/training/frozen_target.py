@@ -13,14 +13,29 @@ from typing import Any, ClassVar
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 
+from trainer.drafters.common import DrafterDecoderLayer
+from trainer.drafters.eagle3 import Eagle3DecoderLayer
 from trainer.errors import UserError
 from trainer.io import write_dir_atomic
 from trainer.optim import adamw_warmup_cosine
 from trainer.paths import project_path
-from trainer.target import Target, load_causal_lm
+from trainer.target import Target, decoder_layers, load_causal_lm
 from trainer.training.metrics import MetricSums
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state dict with whole tensors under FSDP2 (DTensor shards) or DeepSpeed ZeRO-3 (partitioned
+    parameters): a collective, so every rank calls it."""
+    params = list(module.parameters())
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
 
 
 class FrozenTargetTraining(L.LightningModule):
@@ -85,6 +100,34 @@ class FrozenTargetTraining(L.LightningModule):
         self.drafter = self.build_drafter(model)
         self.check_drafter_fits(model.config)
         self.target = Target(model, self.layer_ids)
+        if self.device_mesh is not None:
+            self.shard(self.device_mesh["data_parallel"])
+
+    def shard(self, mesh: Any) -> None:
+        """FSDP2 (``trainer.strategies.FSDP2Strategy``): shard every decoder layer of the frozen target and of the
+        drafter over ``mesh``. Each layer is called through its own forward, which gathers its parameters; the
+        rest (target embedding, norm and LM head, which the drafters also call directly; the drafter's fc, norms
+        and heads) stays replicated, its gradients averaged over the mesh in ``on_before_optimizer_step``."""
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in decoder_layers(self.target.model):
+            fully_shard(layer, mesh=mesh)
+        for module in self.drafter.modules():
+            if isinstance(module, DrafterDecoderLayer | Eagle3DecoderLayer):
+                fully_shard(module, mesh=mesh)
+        self._replicated_mesh = mesh
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        mesh = getattr(self, "_replicated_mesh", None)
+        if mesh is None:
+            return
+        group = mesh.get_group()
+        for p in self.trainable_parameters():
+            # Sharded (DTensor) parameters had theirs reduce-scattered by FSDP2 already.
+            if p.grad is not None and not isinstance(p, DTensor):
+                # A sum then a division: gloo (CPU) has no average.
+                torch.distributed.all_reduce(p.grad, group=group)
+                p.grad.div_(mesh.size())
 
     @property
     def layer_ids(self) -> list[int]:
@@ -152,10 +195,19 @@ class FrozenTargetTraining(L.LightningModule):
             raise RuntimeError(f"checkpoint does not match the drafter: missing {missing}, unexpected {unexpected}")
         return missing, unexpected
 
-    def export(self) -> Path:
-        """Write the drafter as an HF directory (``export_dir`` or ``<run>/hf``)."""
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The drafter's HF config beside its weights: `trainer export` rebuilds the drafter from a checkpoint
+        # alone, without the target or the training data (an EAGLE-3 vocabulary is built from the data).
+        checkpoint["drafter_config"] = self.drafter.config.to_dict()
+
+    def export(self) -> Path | None:
+        """Write the drafter as an HF directory (``export_dir`` or ``<run>/hf``) on rank 0; every rank must call it,
+        since sharded weights are gathered first (a collective). Returns the directory on rank 0."""
+        state = full_state_dict(self.drafter)
+        if not self.trainer.is_global_zero:
+            return None
         out = Path(self.export_dir or Path(self.trainer.log_dir or ".") / "hf")
-        write_dir_atomic(out, self.drafter.save_pretrained)
+        write_dir_atomic(out, lambda tmp: self.drafter.save_pretrained(tmp, state_dict=state))
         return out
 
     # ---- validation metrics -------------------------------------------------------------------------------------
@@ -186,5 +238,6 @@ class FrozenTargetTraining(L.LightningModule):
         ``trainer validate`` run prints it, and ``trainer fit`` prints that of the trained weights at the end."""
 
     def on_fit_end(self) -> None:
+        out = self.export()
         if self.trainer.is_global_zero:
-            print(f"{self.family} drafter -> {self.export()}")
+            print(f"{self.family} drafter -> {out}")

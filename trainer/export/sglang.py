@@ -1,0 +1,23 @@
+"""``--format sglang``: SGLang's EAGLE-3 draft directory (``LlamaForCausalLMEagle3``; ALGORITHMS.md §6).
+
+``config.json`` is a Llama config with ``architectures: ["LlamaForCausalLMEagle3"]``, ``num_hidden_layers: 1``,
+``draft_vocab_size``, ``tie_word_embeddings: false``, ``eagle_config.eagle_aux_hidden_state_layer_ids`` (HF
+``hidden_states`` indices) and the legacy ``rope_theta`` for engines on transformers 4.x. Weights: ``midlayer.*``
+(q/k/v read ``2H``), ``fc`` ``[H, 3H]``, ``norm``, ``lm_head`` ``[draft_vocab, H]``, ``d2t`` (draft id →
+target id offset; SGLang's hot-token map is ``d2t + arange``) and ``t2d``. No embedding: SGLang shares the
+target's. This is the drafter's own save format; the export only converts the dtype and writes atomically.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import PreTrainedModel
+
+from trainer.drafters.eagle3 import Eagle3DraftModel
+
+ACCEPTS = (Eagle3DraftModel,)
+
+
+def write(drafter: PreTrainedModel, out: Path, verifier: str | None) -> None:
+    drafter.save_pretrained(out)

@@ -1,0 +1,162 @@
+"""``--format speculators``: vLLM's speculators format for DFlash and EAGLE-3 drafters (schema of speculators 0.9).
+
+``config.json`` holds ``speculators_model_type`` (``dflash`` / ``eagle3``), ``architectures``
+(``DFlashSpeculator`` / ``Eagle3Speculator``), ``speculators_config: {algorithm, proposal_methods,
+default_proposal_method, verifier: {name_or_path, architectures}}``, the decoder layers' own HF config as
+``transformer_layer_config`` and the algorithm's fields:
+
+- DFlash: ``block_size``, ``mask_token_id``, ``draft_vocab_size`` (the target's: DFlash drafts over the full
+  vocabulary), ``aux_hidden_state_layer_ids`` as HF ``hidden_states`` indices, i.e. our layer ids + 1 (vLLM also
+  feeds the target's last layer on its own, so that one may not be among them). Weights as in the reference
+  layout: ``layers.{i}.*``, ``fc``, ``hidden_norm``, ``norm``; the embedding and LM head are the verifier's.
+- EAGLE-3: ``draft_vocab_size``, ``eagle_aux_hidden_state_layer_ids`` (HF ``hidden_states`` indices),
+  ``norm_before_residual: false`` (the residual is the raw hidden state). Weights: ``midlayer.*`` renamed
+  ``layers.0.*``, ``fc``, ``norm``, ``lm_head``, and ``d2t`` / ``t2d`` when the draft vocabulary is reduced.
+
+The verifier (``--target``, or the run's recipe) is recorded by path or hub id; vLLM serves its own target and
+reads the drafter from the directory: ``vllm serve TARGET --speculative-config '{"model": "DIR", ...}'``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel, Qwen3Config
+
+from trainer.drafters.dflash import DFlashDraftModel
+from trainer.drafters.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
+from trainer.drafters.eagle3 import Eagle3DraftModel
+from trainer.errors import UserError
+
+ACCEPTS = (DFlashDraftModel, Eagle3DraftModel)
+# The speculators release whose config schema and weight names this writer follows (and the tests load with).
+SCHEMA_VERSION = "0.9.0"
+# Our config fields that are not the decoder layers' own transformer config (``num_target_layers`` stays: an
+# extra field to speculators, and what reading the directory back needs).
+DRAFTER_FIELDS = (
+    "architectures",
+    "auto_map",
+    "block_size",
+    "dflash_config",
+    "draft_vocab_size",
+    "eagle_config",
+    "treeflash_config",
+    "_name_or_path",
+)
+# EAGLE-3 drafts this many tokens per step unless the engine's speculative config says otherwise.
+EAGLE3_SPECULATIVE_TOKENS = 3
+
+
+def transformer_layer_config(config: PretrainedConfig) -> dict[str, Any]:
+    # The difference to the class defaults, as speculators serialises it; a reader rebuilds the rest.
+    return {k: v for k, v in config.to_diff_dict().items() if k not in DRAFTER_FIELDS}
+
+
+def verifier_entry(verifier: str | None) -> dict[str, Any]:
+    """``{name_or_path, architectures}`` of the target; its architectures are read when the path is local."""
+    architectures: list[str] = []
+    if verifier is not None and (Path(verifier) / "config.json").is_file():
+        architectures = json.loads((Path(verifier) / "config.json").read_text()).get("architectures") or []
+    return {"name_or_path": verifier, "architectures": architectures}
+
+
+def speculators_config(algorithm: str, tokens: int, verifier: str | None) -> dict[str, Any]:
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [
+            {"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+        ],
+        "default_proposal_method": "greedy",
+        "verifier": verifier_entry(verifier),
+    }
+
+
+def dflash_layout(drafter: DFlashDraftModel, verifier: str | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    config = drafter.config
+    aux = [i + 1 for i in drafter.target_layer_ids]
+    if config.num_target_layers in aux:
+        raise UserError(
+            f"the DFlash drafter reads the target's last layer ({config.num_target_layers - 1}), which vLLM "
+            f"passes separately; speculators cannot describe target layers {drafter.target_layer_ids}"
+        )
+    fields = {
+        "speculators_model_type": "dflash",
+        "architectures": ["DFlashSpeculator"],
+        "speculators_config": speculators_config("dflash", drafter.block_size - 1, verifier),
+        "transformer_layer_config": transformer_layer_config(config),
+        "draft_vocab_size": config.vocab_size,
+        "block_size": drafter.block_size,
+        "mask_token_id": drafter.mask_token_id,
+        "aux_hidden_state_layer_ids": aux,
+        "target_hidden_size": None,
+    }
+    return fields, dict(drafter.state_dict())
+
+
+def eagle3_layout(drafter: Eagle3DraftModel, verifier: str | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    config = drafter.config
+    fields = {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "speculators_config": speculators_config("eagle3", EAGLE3_SPECULATIVE_TOKENS, verifier),
+        "transformer_layer_config": transformer_layer_config(config),
+        "draft_vocab_size": config.draft_vocab_size,
+        "eagle_aux_hidden_state_layer_ids": list(drafter.aux_layer_ids),
+        "norm_before_residual": False,
+        "target_hidden_size": None,
+    }
+    weights = {k.replace("midlayer.", "layers.0.", 1): v for k, v in drafter.state_dict().items()}
+    if config.draft_vocab_size == config.vocab_size:
+        # A full draft vocabulary has no mapping: speculators registers no d2t/t2d buffers then.
+        del weights["d2t"], weights["t2d"]
+    return fields, weights
+
+
+def write(drafter: PreTrainedModel, out: Path, verifier: str | None) -> None:
+    layout = dflash_layout if isinstance(drafter, DFlashDraftModel) else eagle3_layout
+    fields, weights = layout(drafter, verifier)
+    dtype = next(drafter.parameters()).dtype
+    config = {**fields, "speculators_version": SCHEMA_VERSION, "dtype": str(dtype).removeprefix("torch.")}
+    out.mkdir(parents=True)
+    save_file(
+        {k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def load(path: Path) -> DFlashDraftModel | Eagle3DraftModel:
+    """The drafter of a directory this module wrote (or any speculators DFlash / EAGLE-3 directory in the same
+    layout), as our class: the inverse of :func:`write`."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    layer = dict(config["transformer_layer_config"])
+    weights = load_file(str(Path(path) / "model.safetensors"))
+    kind = config.get("speculators_model_type")
+    if kind == "dflash":
+        layer.update(
+            architectures=["DFlashDraftModel"],
+            block_size=config["block_size"],
+            dflash_config={
+                "mask_token_id": config["mask_token_id"],
+                "target_layer_ids": [i - 1 for i in config["aux_hidden_state_layer_ids"]],
+            },
+        )
+        drafter = DFlashDraftModel(Qwen3Config.from_dict(layer))
+    elif kind == "eagle3":
+        layer.update(
+            architectures=[EAGLE3_ARCHITECTURE],
+            draft_vocab_size=config["draft_vocab_size"],
+            eagle_config={"eagle_aux_hidden_state_layer_ids": config["eagle_aux_hidden_state_layer_ids"]},
+        )
+        drafter = Eagle3DraftModel(LlamaConfig.from_dict(layer))
+        weights = {k.replace("layers.0.", "midlayer.", 1): v for k, v in weights.items()}
+        # Without a mapping the draft vocabulary is the target's, which the new drafter's buffers already say.
+        weights.setdefault("d2t", drafter.d2t)
+        weights.setdefault("t2d", drafter.t2d)
+    else:
+        raise UserError(f"{path}: speculators_model_type {kind!r} is neither 'dflash' nor 'eagle3'")
+    drafter.load_state_dict(weights, strict=True)
+    return drafter.eval()
