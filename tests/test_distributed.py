@@ -1,6 +1,7 @@
 """Scale-out on CPU (gloo): DDP and FSDP2 on 2 processes take the same steps as one process with 2-step gradient
-accumulation (losses and weights), an FSDP2 run resumes from its sharded checkpoint on another number of ranks,
-a torn directory save never replaces a checkpoint, and the DeepSpeed configs pass DeepSpeed's own validation.
+accumulation (losses and weights), an FSDP2 run resumes from its sharded checkpoint on another number of ranks
+and ``trainer export`` reads that checkpoint, and the DeepSpeed configs pass DeepSpeed's own validation. (The
+directory swap behind sharded checkpoints is tested with ``trainer.io`` in tests/test_io.py.)
 
 Each multi-process run is ``tests/dist_fit.py`` launched the way ``trainer fit`` is (Lightning starts rank 1 by
 running the script again); DeepSpeed itself needs CUDA, so only its configuration is checked here.
@@ -18,7 +19,7 @@ from conftest import ROOT, make_target_dirs
 from dist_fit import main as dist_fit
 
 from trainer.export.source import load_source
-from trainer.io import partial_path, write_dir_atomic
+from trainer.io import partial_path
 
 STEPS = 4
 
@@ -103,22 +104,6 @@ def test_fsdp2_matches_one_process_and_resumes_on_one_rank(runs):
     (single,) = losses(runs / "single")
     torch.testing.assert_close(resumed, single[4:], rtol=0, atol=1e-5)
     assert_same_weights(runs / "resumed", runs / "single")
-
-
-def test_a_torn_directory_save_leaves_the_old_checkpoint(tmp_path):
-    out = tmp_path / "last.ckpt"
-    write_dir_atomic(out, lambda d: (d.mkdir(), (d / "shard").write_text("old")))
-
-    def killed(d):
-        d.mkdir()
-        (d / "shard").write_text("half")
-        raise KeyboardInterrupt  # the process dies here, mid-save
-
-    with pytest.raises(KeyboardInterrupt):
-        write_dir_atomic(out, killed)
-    assert (out / "shard").read_text() == "old"
-    write_dir_atomic(out, lambda d: (d.mkdir(), (d / "shard").write_text("new")))
-    assert (out / "shard").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
 def zero_recipes() -> list[str]:

@@ -6,7 +6,7 @@ PYTHONPATH=$PWD python -m pytest tests/test_io.py -q
 import pytest
 import torch
 
-from trainer.io import atomic_path, write_dir_atomic, write_text_atomic
+from trainer.io import atomic_path, partial_path, swap_in, write_dir_atomic, write_text_atomic
 from trainer.masks import additive_mask
 from trainer.sampling import nucleus
 
@@ -40,6 +40,18 @@ def test_a_directory_is_swapped_whole(tmp_path):
     # The failed export's leftovers and the old directory are gone.
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]
 
+
+
+def test_a_sharded_directory_replaces_a_single_file_checkpoint(tmp_path):
+    # Every rank writes its shard into the partial directory; one rank swaps it in once all have finished.
+    out = tmp_path / "last.ckpt"
+    out.write_text("single file")
+    partial_path(out).mkdir()
+    for rank in range(2):
+        (partial_path(out) / f"__{rank}_0.distcp").write_text(str(rank))
+    swap_in(out)
+    assert sorted(p.name for p in out.iterdir()) == ["__0_0.distcp", "__1_0.distcp"]
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
 
 def test_additive_mask_from_bool_and_float():
     allowed = torch.tensor([[True, False], [True, True]])
