@@ -155,8 +155,10 @@ def build_module(recipe: str, model: torch.nn.Module, batch: dict[str, torch.Ten
     return module
 
 
-def measure(module, batch, repeats: int, device: torch.device) -> dict[str, float]:
-    """Median phase times (s) of a full training step; a batch without features has the target compute them."""
+def measure(module, batch, repeats: int, device: torch.device, floor: Callable[[], object]) -> dict[str, float]:
+    """Median phase times (s) of a full training step, and of ``floor`` run just before each step (on a shared
+    machine the load drifts; interleaving keeps each ratio side by side). A batch without features has the
+    target compute them in the step."""
     optimizer = torch.optim.AdamW(module.trainable_parameters(), lr=1e-4)
     target = PhaseClock([module.target])
     drafter = PhaseClock(list(module.drafter.modules()))
@@ -166,6 +168,7 @@ def measure(module, batch, repeats: int, device: torch.device) -> dict[str, floa
     peak = 0.0
     for i in range(repeats + 1):
         drafter.total = head.total = target.total = 0.0
+        floor_time = median_time(floor, 0, device)
         with peak_memory(device) as mem:
             sync(device)
             t0 = time.perf_counter()
@@ -190,6 +193,7 @@ def measure(module, batch, repeats: int, device: torch.device) -> dict[str, floa
             "backward": t2 - t1,
             "optimizer": t3 - t2,
             "step": t3 - t0,
+            "floor": floor_time,
         }
         for k, v in phases.items():
             samples.setdefault(k, []).append(v)
@@ -201,13 +205,14 @@ def measure(module, batch, repeats: int, device: torch.device) -> dict[str, floa
 
 
 def median_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Median wall time of ``repeats`` calls after a warm-up call (``repeats=0``: the one call)."""
     times = []
     for i in range(repeats + 1):
         sync(device)
         start = time.perf_counter()
         fn()
         sync(device)
-        if i:
+        if i or not repeats:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -225,12 +230,6 @@ def main() -> None:
     batch = {k: v.to(device) for k, v in make_batch(args.batch_size, args.length, target_dir).items()}
     tokens = batch["input_ids"].numel()
 
-    with torch.no_grad():
-        floor = median_time(
-            lambda: model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False),
-            args.repeats,
-            device,
-        )
     table = Table(title=f"training step, {args.batch_size} x {args.length} tokens, {device.type}")
     for column in (
         "family",
@@ -243,18 +242,31 @@ def main() -> None:
         "peak MB on / off",
     ):
         table.add_column(column)
+
+    def bare_forward() -> None:
+        with torch.no_grad():
+            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+
+    floors: list[float] = []
     for family, recipe in FAMILIES.items():
         torch.manual_seed(0)
         module = build_module(recipe, model, batch).to(device)
         module.train()
-        online = measure(module, batch, args.repeats, device)
+        online = measure(module, batch, args.repeats, device, bare_forward)
+        floor = online["floor"]
+        floors.append(floor)
         with torch.no_grad():
             cached = with_features(batch, module.target, module.topk)
-        offline = measure(module, cached, args.repeats, device)
+        offline = measure(module, cached, args.repeats, device, bare_forward)
 
-        features = median_time(lambda m=module: with_features(batch, m.target, m.topk), args.repeats, device)
+        # Feature extraction beyond the bare forward, the two timed alternately.
+        extraction = statistics.median(
+            median_time(lambda m=module: with_features(batch, m.target, m.topk), 0, device)
+            - median_time(bare_forward, 0, device)
+            for _ in range(args.repeats)
+        )
         above_target = {
-            "feature extraction": features - floor,
+            "feature extraction": extraction,
             **{
                 k: online[k] for k in ("drafter forward", "LM head", "batch building and loss", "backward", "optimizer")
             },
@@ -274,7 +286,8 @@ def main() -> None:
             f"{online['peak_mb']:.0f} / {offline['peak_mb']:.0f}",
         )
     Console(width=200).print(table)
-    print(f"floor: target forward {floor * 1e3:.1f} ms for {tokens} tokens ({tokens / floor:,.0f} tok/s)")
+    low, high = min(floors), max(floors)
+    print(f"floor: target forward {low * 1e3:.0f}-{high * 1e3:.0f} ms for {tokens} tokens across the families' runs")
 
 
 if __name__ == "__main__":
