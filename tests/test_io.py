@@ -41,7 +41,6 @@ def test_a_directory_is_swapped_whole(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]
 
 
-
 def test_a_sharded_directory_replaces_a_single_file_checkpoint(tmp_path):
     # Every rank writes its shard into the partial directory; one rank swaps it in once all have finished.
     out = tmp_path / "last.ckpt"
@@ -52,6 +51,7 @@ def test_a_sharded_directory_replaces_a_single_file_checkpoint(tmp_path):
     swap_in(out)
     assert sorted(p.name for p in out.iterdir()) == ["__0_0.distcp", "__1_0.distcp"]
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
 
 def test_additive_mask_from_bool_and_float():
     allowed = torch.tensor([[True, False], [True, True]])
