@@ -106,7 +106,8 @@ def test_readme_trainer_command(command, workdir, monkeypatch, capsys):
         assert read_current(workdir / argv[argv.index("--publish") + 1]) is not None
     elif job == "export":
         out_dir = workdir / argv[argv.index("--out") + 1]
-        assert json.loads((out_dir / "config.json").read_text())["auto_map"] and (out_dir / "model.safetensors").is_file()
+        config = json.loads((out_dir / "config.json").read_text())
+        assert config["auto_map"] and (out_dir / "model.safetensors").is_file()
     elif job == "cache":
         manifest = json.loads((workdir / "data" / "cache" / "feat" / "manifest.json").read_text())
         assert manifest["complete"] and manifest["config"]["layers"] == [1, 4, 7]
