@@ -39,7 +39,7 @@ from rich.table import Table
 from trainer.data.features import with_features
 from trainer.data.prepare import DataSpec
 from trainer.drafters.vocab import DraftVocab
-from trainer.paths import PROJECT_ROOT
+from trainer.paths import project_path
 from trainer.target import Target, load_causal_lm
 from trainer.tiny.corpus import list_modules
 from trainer.training.datamodule import DraftData
@@ -143,7 +143,7 @@ def make_batch(batch_size: int, length: int, tokenizer: str) -> dict[str, torch.
 
 def build_module(recipe: str, model: torch.nn.Module, batch: dict[str, torch.Tensor]):
     """The recipe's LightningModule with its drafter built for ``model`` and the frozen target attached."""
-    config = yaml.safe_load((PROJECT_ROOT / "recipes" / f"{recipe}.yaml").read_text())["model"]
+    config = yaml.safe_load(project_path(f"recipes/{recipe}.yaml").read_text())["model"]
     module_name, class_name = config["class_path"].rsplit(".", 1)
     module = getattr(importlib.import_module(module_name), class_name)(**config["init_args"])
     if hasattr(module, "_training_vocab"):
@@ -225,7 +225,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
-    target_dir = str(PROJECT_ROOT / "checkpoints" / "target_tiny")
+    target_dir = str(project_path("checkpoints/target_tiny"))
     model = load_causal_lm(target_dir, "float32").to(device).eval().requires_grad_(False)
     batch = {k: v.to(device) for k, v in make_batch(args.batch_size, args.length, target_dir).items()}
     tokens = batch["input_ids"].numel()

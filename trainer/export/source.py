@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from trainer.drafters import drafter_class
 from trainer.errors import UserError
 from trainer.evaluate import recipe_target, resolve_drafter
+from trainer.paths import project_path
 from trainer.spec.drafting import load_drafter
 
 # Lightning keeps the drafter's weights under this prefix of the LightningModule's state dict.
@@ -39,7 +40,9 @@ class Source:
 
 
 def load_source(path: Path) -> Source:
-    """The drafter of a run directory, a Lightning ``.ckpt`` or an HF directory at ``path``."""
+    """The drafter of a run directory, a Lightning ``.ckpt`` or an HF directory at ``path`` (a shipped one such as
+    ``checkpoints/dflash_tiny`` from any working directory)."""
+    path = project_path(path)
     if not path.exists():
         raise UserError(f"{path} does not exist: give a run directory, a Lightning .ckpt or an HF drafter directory")
     if path.is_file():

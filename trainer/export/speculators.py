@@ -31,6 +31,7 @@ from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.errors import UserError
+from trainer.paths import project_path
 
 ACCEPTS = (DFlashDraftModel, Eagle3DraftModel)
 # The speculators release whose config schema and weight names this writer follows (and the tests load with).
@@ -59,8 +60,9 @@ def transformer_layer_config(config: PretrainedConfig) -> dict[str, Any]:
 def verifier_entry(verifier: str | None) -> dict[str, Any]:
     """``{name_or_path, architectures}`` of the target; its architectures are read when the path is local."""
     architectures: list[str] = []
-    if verifier is not None and (Path(verifier) / "config.json").is_file():
-        architectures = json.loads((Path(verifier) / "config.json").read_text()).get("architectures") or []
+    config = project_path(verifier) / "config.json" if verifier is not None else None
+    if config is not None and config.is_file():
+        architectures = json.loads(config.read_text()).get("architectures") or []
     return {"name_or_path": verifier, "architectures": architectures}
 
 
