@@ -11,13 +11,8 @@ from trainer.data.features import with_features
 from trainer.drafters.eagle3 import Eagle3DraftModel, build_config
 from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
-from trainer.training.eagle3 import (
-    Eagle3Training,
-    draft_teacher,
-    soft_cross_entropy_and_kl,
-    ttt_attention_mask,
-    ttt_step,
-)
+from trainer.losses import draft_teacher, soft_cross_entropy_and_kl
+from trainer.training.eagle3 import Eagle3Training, ttt_attention_mask, ttt_step
 
 SGLANG_KEYS = {
     "midlayer.self_attn.q_proj.weight",

@@ -14,6 +14,7 @@ from conftest import ROOT
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from trainer.data.regenerate import generate_batch, pick_device, read_resume_state, regenerate, stop_tokens
+from trainer.data.sources import load_text
 from trainer.errors import UserError
 
 MAX_NEW = 12
@@ -275,3 +276,36 @@ def test_chat_template_kwargs_reach_the_prompt(model_dir: Path) -> None:
     off = tokenizer.decode(prompt_ids(tokenizer, history, enable_thinking=False))
     assert on.endswith("<|im_start|>assistant\n")
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_text_windows_are_continued_and_read_back_as_text(model_dir: Path, tmp_path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.py").write_text("import os\n\n\ndef main():\n    return os.getcwd()\n" * 6)
+    (docs / "b.py").write_text("x = 1\n")  # shorter than one prompt: no window
+    prompt_tokens, new = 8, 6
+    out = tmp_path / "regen.jsonl"
+    regenerate(str(model_dir), [str(docs)], str(out), max_new_tokens=new, format="text", prompt_tokens=prompt_tokens)
+    rows = records(out.read_bytes())
+    ids = tokenizer((docs / "a.py").read_text(), add_special_tokens=False)["input_ids"]
+    # Windows of prompt + continuation tokens tile the document; each starts with its slice of it.
+    offsets = list(range(0, len(ids) - prompt_tokens + 1, prompt_tokens + new))
+    assert [r["id"] for r in rows] == [f"{docs / 'a.py'}@{o}" for o in offsets]
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    for row, offset in zip(rows, offsets, strict=True):
+        prompt = ids[offset : offset + prompt_tokens]
+        with torch.no_grad():
+            greedy = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[0].tolist()
+        reply = greedy[prompt_tokens:]
+        if tokenizer.eos_token_id in reply:
+            reply = reply[: reply.index(tokenizer.eos_token_id)]
+        assert row["text"] == tokenizer.decode(prompt + reply)
+    # Training reads the file as text (a line without one is skipped); --limit spreads the windows it keeps.
+    with out.open("a") as f:
+        f.write(json.dumps({"id": "x", "no_text": 1}) + "\n")
+    texts = load_text([str(out)])
+    assert [t["text"] for t in texts] == [r["text"] for r in rows]
+    limited = tmp_path / "limited.jsonl"
+    regenerate(str(model_dir), [str(docs)], str(limited), max_new_tokens=new, format="text", prompt_tokens=8, limit=2)
+    assert [r["id"] for r in records(limited.read_bytes())] == [rows[0]["id"], rows[len(rows) // 2]["id"]]

@@ -15,6 +15,7 @@ from trainer.drafters.eagle3 import build_config as eagle3_config
 from trainer.drafters.specblock import SpecBlockDraftModel
 from trainer.drafters.specblock import build_config as specblock_config
 from trainer.drafters.treeflash import TreeFlashDraftModel
+from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
 from trainer.spec.drafting import RecyclingSession, load_drafter
 from trainer.spec.engine import BUILDERS, generate, make_session
@@ -148,21 +149,41 @@ def test_set_adjacency_overlays_newer_versions():
     assert memory.adjacency[3].tolist() == [5, 4, 0]
 
 
-def test_specblock_greedy_is_lossless(shipped, greedy_references):
+# The growth before the authors' code was followed: class 3 ends the walk, no forced root width, three rounds.
+OLD_GROWTH = TreeOptions(
+    specblock_branch=(1, 4, 10, 0),
+    specblock_root_width=None,
+    specblock_stop="chain",
+    specblock_launch_greedy=False,
+    specblock_rounds=3,
+    specblock_blocks_per_round=8,
+)
+
+
+@pytest.mark.parametrize(
+    "alignment,options,prompts_used",
+    [("next", TreeOptions(), 4), ("same", TreeOptions(), 2), ("next", OLD_GROWTH, 2), ("same", OLD_GROWTH, 2)],
+)
+def test_specblock_greedy_is_lossless(shipped, greedy_references, alignment, options, prompts_used):
     """A random SpecBlock drafter (random rank classes, so branching, stops and launches all occur)."""
     target, _, _, prompts = shipped
     torch.manual_seed(0)
-    drafter = SpecBlockDraftModel(specblock_config(target.config)).eval()
+    drafter = SpecBlockDraftModel(specblock_config(target.config, alignment=alignment)).eval()
+    # The root block costs the context forward under `next`, one more forward under `same`.
+    root_forwards = 1 if alignment == "next" else 2
     for budget in (16, 60):
-        for prompt, reference in zip(prompts[:4], greedy_references, strict=False):
-            session = make_session("specblock", target, drafter)
-            out = generate(target, session, BUILDERS["specblock"], prompt, 32, budget)
+        for prompt, reference in zip(prompts[:prompts_used], greedy_references, strict=False):
+            session = make_session("specblock", target, drafter, options)
+            out = generate(target, session, BUILDERS["specblock"], prompt, 32, budget, options=options)
             assert out.tokens == reference[:32]
-            # A root slot of rank class 3 (">10") stops its branch, so a tree may be empty.
             assert all(0 <= s.tree_size <= budget for s in out.steps)
-            assert any(s.tree_size > 0 for s in out.steps)
-            # The context forward, then one to three rounds of blocks.
-            assert all(2 <= s.forwards <= 4 for s in out.steps)
+            assert all(root_forwards <= s.forwards < root_forwards + options.specblock_rounds for s in out.steps)
+            if options.specblock_stop == "branching":
+                # The root block's slot 0 always branches and greedy tokens always stay: never an empty tree.
+                assert all(s.tree_size >= min(budget, options.specblock_root_width) for s in out.steps)
+            else:
+                # A root slot of rank class 3 (">10") ends the walk there, so a tree may be empty.
+                assert any(s.tree_size > 0 for s in out.steps)
 
 
 def test_chain_matches_dflash_generate(shipped, monkeypatch):
@@ -195,8 +216,17 @@ def small_vocab():
     torch.nn.init.normal_(treeflash.ar_approximation.d.weight, std=0.5)
     eagle = Eagle3DraftModel(eagle3_config(config, draft_vocab_size=12)).eval()
     specblock = SpecBlockDraftModel(specblock_config(config, target_layer_ids=[0, 1, 2])).eval()
+    # An own head over 10 of the 12 tokens, mapped by a non-trivial d2t (ids 2..11).
+    own_head = SpecBlockDraftModel(specblock_config(config, target_layer_ids=[0, 1, 2], draft_vocab_size=10)).eval()
+    own_head.set_draft_vocab(DraftVocab.from_counts(torch.arange(12), 10))
     drafters = {"chain": dflash, "ddtree": dflash, "recycling": None, "treeflash": treeflash, "eagle": eagle}
-    return target, {**drafters, "specblock": specblock, "graft": eagle, "graft-dflash": dflash}
+    return target, {
+        **drafters,
+        "specblock": specblock,
+        "specblock_own_head": own_head,
+        "graft": eagle,
+        "graft-dflash": dflash,
+    }
 
 
 def exact_marginals(target, prompt: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,6 +252,7 @@ def exact_marginals(target, prompt: torch.Tensor, sampling: Sampling) -> tuple[t
         ("recycling", Sampling(temperature=1.0), TreeOptions()),
         ("eagle", Sampling(temperature=1.0), TreeOptions()),
         ("specblock", Sampling(temperature=1.0), TreeOptions()),
+        ("specblock_own_head", Sampling(temperature=0.7), TreeOptions()),
         ("graft", Sampling(temperature=1.0), ALWAYS_PRUNE),
         ("graft-dflash", Sampling(temperature=0.7), ALWAYS_PRUNE),
     ],
@@ -229,6 +260,7 @@ def exact_marginals(target, prompt: torch.Tensor, sampling: Sampling) -> tuple[t
 def test_sampling_follows_the_target_distribution(small_vocab, tree, sampling, options):
     target, drafters = small_vocab
     drafter = drafters[tree]
+    tree = tree.removesuffix("_own_head")
     prompt = torch.tensor([1, 5, 2, 7])
     p2, p3 = exact_marginals(target, prompt, sampling)
     counts2 = torch.zeros(12, dtype=torch.long)

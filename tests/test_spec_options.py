@@ -28,6 +28,9 @@ def test_parse_converts_each_kind():
     assert graft.graft_checkpoints == (0, 2) and graft.graft_thresholds == (0.3, 0.25)
     assert graft.graft_draft_share == (0.5, 1.0, 1.0) and graft.graft_retrieval is False
     assert TreeOptions.parse(["graft_retrieval=yes"]).graft_retrieval is True
+    growth = TreeOptions.parse(["specblock_launch_greedy=false", "specblock_root_width=none", "specblock_stop=chain"])
+    assert growth.specblock_launch_greedy is False and growth.specblock_root_width is None
+    assert growth.specblock_stop == "chain"
 
 
 @pytest.mark.parametrize(
@@ -44,6 +47,9 @@ def test_parse_converts_each_kind():
         ("graft_draft_share=0.5,0.5,1.5,1", "shares in [0, 1]"),
         ("graft_confidence=entropy", "one of"),
         ("graft_retrieval=maybe", "not a valid bool"),
+        ("specblock_launch_greedy=maybe", "not a valid bool"),
+        ("specblock_stop=tree", "branching"),
+        ("specblock_root_width=0", "at least 1 or none"),
     ],
 )
 def test_bad_option_is_named(item, words):

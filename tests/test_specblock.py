@@ -1,7 +1,9 @@
-"""SpecBlock: masks, layer shift, rank classes, cache parity, the training unroll, a short fit, export."""
+"""SpecBlock: masks, layer shift, rank classes, cache parity, the training unroll and each of its mechanisms
+(alignment, launches, validity, rank-loss terms, own head), a short fit, export."""
 
 import itertools
 import json
+import types
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from conftest import fit_recording_losses, make_target_dirs, make_tiny_target, q
 from safetensors import safe_open
 from transformers import DynamicCache, Qwen3ForCausalLM
 
+from trainer.data.features import with_features
 from trainer.drafters.specblock import (
     SpecBlockDraftModel,
     build_config,
@@ -21,9 +24,13 @@ from trainer.drafters.specblock import (
 from trainer.errors import UserError
 from trainer.training.specblock import (
     SpecBlockTraining,
+    asymmetric_ordinal_targets,
     choose_launch_slots,
+    class_balance_weights,
     correct_through,
+    distance_weights,
     ordinal_targets,
+    uniform_launch_slots,
     valid_slots,
 )
 
@@ -80,6 +87,12 @@ def test_layer_ids_are_eagle3s_and_parameter_names_are_checkpoint_keys():
     assert model.rank_head.out.out_features == 4
     fresh = SpecBlockDraftModel(model.config)
     assert torch.equal(fresh.layers[1].shift.weight, torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1))
+    # With a draft vocabulary the drafter owns its head and EAGLE-3's d2t / t2d buffers.
+    own = SpecBlockDraftModel(build_config(qwen3_config(8), draft_vocab_size=40))
+    assert own.lm_head.weight.shape == (40, H) and own.d2t.shape == (40,) and own.t2d.shape == (97,)
+    assert {"lm_head.weight", "d2t", "t2d"} <= set(own.state_dict())
+    with pytest.raises(UserError, match="alignment"):
+        build_config(qwen3_config(8), alignment="previous")
 
 
 def test_context_mask_exact_pattern():
@@ -219,6 +232,40 @@ def test_ordinal_targets():
     assert torch.allclose(soft[2], torch.tensor([0.0, 0.0, 0.2, 0.8]))
 
 
+def test_asymmetric_smoothing_leans_towards_higher_classes():
+    soft = asymmetric_ordinal_targets(torch.tensor([0, 1, 3]), 4)
+    assert torch.allclose(soft.sum(-1), torch.ones(3))
+    # t = 0: kernel 1, 1/4, 1/9, 1/16 (only classes above); t = 3: 1/49, 1/25, 1/9, 1 (classes below, steeper).
+    raw0 = torch.tensor([1, 1 / 4, 1 / 9, 1 / 16])
+    raw3 = torch.tensor([1 / 49, 1 / 25, 1 / 9, 1])
+    assert torch.allclose(soft[0], raw0 / raw0.sum()) and torch.allclose(soft[2], raw3 / raw3.sum())
+    # From class 1, the class above gets more mass than the class below at the same distance.
+    assert soft[1, 2] > soft[1, 0] and soft[1].argmax() == 1
+
+
+def test_distance_weight_costs_under_prediction_more():
+    predicted = torch.tensor([1, 0, 2, 3, 1])
+    true = torch.tensor([1, 2, 0, 0, 3])
+    assert distance_weights(predicted, true).tolist() == [1.0, 5.0, 3.0, 4.0, 5.0]
+
+
+def test_class_balance_caps_frequent_classes_per_slot():
+    # Slot 0: 20 of class 0, 2 of class 3; slot 1: 4 of class 0 (a separate count); one masked-out sample.
+    slot = torch.tensor([0] * 22 + [1] * 4 + [0])
+    classes = torch.tensor([0] * 20 + [3] * 2 + [0] * 4 + [0])
+    mask = torch.tensor([True] * 26 + [False])
+    w = class_balance_weights(slot, classes, mask, budget=10, num_slots=2, num_classes=4)
+    assert torch.allclose(w[:20], torch.full((20,), 0.5)) and torch.allclose(w[20:26], torch.ones(6))
+    assert w[26] == 0
+
+
+def test_uniform_launch_slots_cover_every_slot():
+    g = torch.Generator().manual_seed(0)
+    slots = uniform_launch_slots(torch.Size([50, 40]), K, g)
+    counts = torch.bincount(slots.flatten(), minlength=K)
+    assert counts.sum() == 2000 and (counts > 400).all()
+
+
 def test_valid_prefix_mask_zeroes_later_slots_of_a_wrong_chain_only():
     # Two chains (rows) of three blocks; row 0 has slot 1 of block 1 wrong, row 1 is right throughout.
     match1 = torch.tensor([[[1, 0, 1, 1]], [[1, 1, 1, 1]]], dtype=torch.bool)
@@ -252,44 +299,185 @@ def dirs(tmp_path_factory):
     return root
 
 
-def test_unroll_shapes_and_chains(dirs):
-    module = SpecBlockTraining(target=str(dirs / "target"), max_anchors=5)
-    module.configure_model()
+def training_module(dirs, **kwargs) -> tuple[SpecBlockTraining, dict]:
+    """A configured module (its draft vocabulary from the text data when it has one) and a training batch."""
+    module = SpecBlockTraining(target=str(dirs / "target"), **{"draft_vocab_size": None, **kwargs})
     data = text_data(dirs, max_length=96)
-    batch = next(iter(data.train_dataloader()))
+    data.setup("fit")
+    module._trainer = types.SimpleNamespace(datamodule=data)
+    module.configure_model()
+    module._trainer = None
+    return module, next(iter(data.train_dataloader()))
+
+
+def fixed_drafts(module: SpecBlockTraining, token: int, rank_class_of: int = 0) -> None:
+    """Make the drafter's argmax ``token`` at every slot and its rank head predict ``rank_class_of``."""
+    drafter = module.drafter
+    v = drafter.lm_head.out_features if drafter.lm_head is not None else module.target.config.vocab_size
+
+    def logits(normed, head):
+        out = torch.zeros(*normed.shape[:-1], v) + 0 * normed.sum(-1, keepdim=True)
+        out[..., token] = 10.0
+        return out
+
+    def rank_logits(normed, logprobs):
+        out = torch.zeros(*normed.shape[:-1], 4)
+        out[..., rank_class_of] = 5.0
+        return out + 0 * normed.sum(-1, keepdim=True)
+
+    drafter.logits = logits
+    drafter.rank_logits = rank_logits
+
+
+def test_unroll_shapes_and_teacher_launches(dirs, monkeypatch):
+    module, batch = training_module(dirs)
     b, t = batch["input_ids"].shape
+    embedded = []
+    embed = module.target.embed_tokens
+
+    def recording(ids):
+        embedded.append(ids)
+        return embed(ids)
+
+    monkeypatch.setattr(type(module.target), "embed_tokens", property(lambda self: recording))
     results = module.unroll(batch)
     assert len(results) == 3
     v = module.target.config.vocab_size
-    assert results[0].hidden.shape == (b, t, K, H) and results[0].draft.shape == (b, t, K)
+    rows = torch.arange(t).expand(b, t)
+    # Block-1 alignment: the context block of row i drafts from token x_{i+1}.
+    assert torch.equal(results[0].start, rows + 1)
+    assert torch.equal(embedded[0], batch["input_ids"].gather(1, (rows + 1).clamp(max=t - 1)))
+    for parent, child, tokens in zip(results, results[1:], embedded[1:], strict=False):
+        # Every position launches, from a slot j: the new block's token sits at the label row of slot j, and it
+        # is the data token there (teacher forcing), not the drafter's argmax.
+        assert child.hidden.shape == (b, t, K, H)
+        j = child.start - parent.start - 1
+        assert ((j >= 0) & (j < K)).all() and len(set(j.flatten().tolist())) == K
+        assert torch.equal(tokens, batch["input_ids"].gather(1, child.start.clamp(max=t - 1)))
+    for r in results:
+        m = int(r.counted.sum())
+        assert r.logits.shape == (m, v) and r.rank_logits.shape == (m, 4) and r.kl.shape == (m,)
+        assert torch.equal(r.kl_mask, r.valid[r.counted.nonzero(as_tuple=True)])
+    # No filter between blocks: slot 0 of a launched block counts whatever the chain before it drafted.
+    for r in results:
+        assert torch.equal(r.valid[..., 0], r.counted[..., 0])
+    out = module.losses(results)
+    assert out["loss"].requires_grad and torch.isfinite(out["loss"])
+
+
+def test_draft_launches_carry_the_chain(dirs):
+    module, batch = training_module(dirs, launch="draft", max_anchors=5, alignment="same", validity="data")
+    b, t = batch["input_ids"].shape
+    results = module.unroll(batch)
+    assert torch.equal(results[0].start, torch.arange(t).expand(b, t))
     for r in results[1:]:
         assert r.hidden.shape == (b, 5, K, H) and r.draft.shape == r.valid.shape == r.through.shape == (b, 5, K)
-    for r in results:
-        m = int(r.valid.sum())
-        assert r.logits.shape == (m, v) and r.rank_logits.shape == (m, 4) and r.teacher_ids.shape == (m, 32)
-        assert torch.equal(r.slot, r.valid.nonzero()[:, 2])
     # Slot 0 of every counted context block is valid: nothing comes before it in its chain.
     assert torch.equal(results[0].valid[..., 0], results[0].counted[..., 0])
     # Unrolled blocks continue their chain: a block's valid slots need a chain correct before it.
     for parent, child in itertools.pairwise(results[1:]):
         assert not (child.valid[..., 0] & ~parent.through.any(-1)).any()
-    out = module.losses(results)
-    assert out["loss"].requires_grad and torch.isfinite(out["loss"])
+
+
+@pytest.mark.parametrize("validity", ["teacher", "data"])
+def test_validity_compares_with_the_teachers_argmax_or_the_data(dirs, validity):
+    module, batch = training_module(dirs, validity=validity, num_blocks=1)
+    batch = with_features(batch, module.target, 32)
+    # The teacher's argmax is token 7 everywhere, the data never is; the drafter always drafts 7.
+    batch["teacher_topk_ids"][..., 0] = 7
+    batch["input_ids"] = torch.where(batch["input_ids"] == 7, 8, batch["input_ids"])
+    fixed_drafts(module, 7)
+    r = module.unroll(batch)[0]
+    if validity == "teacher":
+        assert torch.equal(r.valid, r.counted)  # every draft is the token the target would accept
+    else:
+        assert torch.equal(r.valid[..., 0], r.counted[..., 0]) and not r.valid[..., 1:].any()
+
+
+def test_rank_chain_runs_to_the_first_misprediction(dirs):
+    module, batch = training_module(dirs, num_blocks=1)
+    batch = with_features(batch, module.target, 32)
+    # The drafter drafts 7 with the rank head saying class 0 (rank 1). The teacher's token is 7 (class 0) at
+    # slots whose teacher row is even and 8 (rank 2: class 1) at odd rows, so the head is wrong at odd rows.
+    t = batch["input_ids"].shape[1]
+    batch["teacher_topk_ids"][..., 0] = torch.where(torch.arange(t) % 2 == 0, 7, 8)
+    fixed_drafts(module, 7)
+    r = module.unroll(batch)[0]
+    where = r.counted.nonzero(as_tuple=True)
+    assert torch.equal(r.rank_target, (r.start[..., None] + torch.arange(K))[where] % 2)
+    dense = torch.zeros_like(r.counted)
+    dense[where] = r.rank_mask
+    # Context block at row i, slot k has teacher row i+1+k: the first wrong slot is included, later ones are not.
+    wrong_first = (r.start[..., None] + torch.arange(K)) % 2 == 1
+    expected = r.counted & ~(torch.cumsum(wrong_first.long(), -1) - wrong_first.long()).bool()
+    assert torch.equal(dense, expected)
+    module.rank_chain = False
+    r = module.unroll(batch)[0]
+    assert torch.equal(r.rank_mask, r.kl_mask)
+
+
+def test_rank_loss_terms(dirs):
+    module, batch = training_module(dirs, num_blocks=1)
+    r = module.unroll(batch)[0]
+    # All four terms off: the mean symmetric-smoothed cross-entropy over the valid slots.
+    module.rank_smoothing, module.rank_distance_weight, module.rank_class_budget, module.rank_chain = (
+        0.1,
+        False,
+        0,
+        False,
+    )
+    r = module.unroll(batch)[0]
+    ce = -(ordinal_targets(r.rank_target, 4, 0.1) * r.rank_logits.log_softmax(-1)).sum(-1)
+    assert torch.allclose(module.rank_loss(r), ce[r.rank_mask].mean())
+    # The distance weight multiplies each sample by its under-/over-prediction weight.
+    module.rank_distance_weight = True
+    w = distance_weights(r.rank_logits.argmax(-1), r.rank_target)
+    assert torch.allclose(module.rank_loss(r), (ce * w)[r.rank_mask].mean())
+    # Class balancing weighs each sample by its (slot, class) count in the block.
+    module.rank_distance_weight, module.rank_class_budget, module.rank_smoothing = False, 3, "asymmetric"
+    soft = asymmetric_ordinal_targets(r.rank_target, 4)
+    ce = -(soft * r.rank_logits.log_softmax(-1)).sum(-1)
+    bal = class_balance_weights(r.slot, r.rank_target, r.rank_mask, 3, K, 4)
+    assert torch.allclose(module.rank_loss(r), (ce * bal).sum() / bal.sum())
+
+
+def test_own_head_starts_from_the_targets_rows_and_restricts_the_teacher(dirs):
+    module, batch = training_module(dirs, draft_vocab_size=48)
+    drafter = module.drafter
+    rows = drafter.to_target(torch.arange(48))
+    assert torch.equal(drafter.lm_head.weight, module.target.lm_head.weight[rows])
+    assert int(drafter.t2d.sum()) == 48 and not torch.equal(drafter.d2t, torch.zeros(48, dtype=torch.long))
+    batch = with_features(batch, module.target, 32)
+    results = module.unroll(batch)
+    for r in results:
+        assert r.logits.shape[-1] == 48
+        # A slot whose teacher's top token has no draft id carries no loss.
+        t = batch["input_ids"].shape[1]
+        teacher_row = (r.start[..., None] + torch.arange(K)).clamp(max=t - 1)
+        top = batch["teacher_topk_ids"][..., 0].gather(1, teacher_row.flatten(1)).view(teacher_row.shape)
+        assert not (r.counted & ~drafter.t2d[top]).any()
+    assert torch.isfinite(module.losses(results)["loss"])
 
 
 def test_short_fit_learns_and_exports(dirs, tmp_path):
     module = SpecBlockTraining(
-        target=str(dirs / "target"), max_anchors=8, lr=3e-3, warmup_steps=1, export_dir=str(tmp_path / "hf")
+        target=str(dirs / "target"),
+        draft_vocab_size=64,
+        max_anchors=16,
+        lr=3e-3,
+        warmup_steps=1,
+        export_dir=str(tmp_path / "hf"),
     )
-    # The rank part of the loss grows harder as the drafts improve (the target's token moves out of the >10
-    # class), so the distillation part is what must fall.
+    # The valid prefix grows as the drafts improve and lets harder slots into the KL mean, so the KL of slot 0 of
+    # the context blocks (always valid, the same slots at every step) is what must fall.
     kl: list[float] = []
     losses_of = module.losses
 
     def recording(results):
         out = losses_of(results)
         if module.training:
-            kl.append(float(out["kl"].detach()))
+            first = results[0]
+            kl.append(float(first.kl[(first.slot == 0) & first.kl_mask].mean().detach()))
         return out
 
     module.losses = recording
@@ -302,7 +490,8 @@ def test_short_fit_learns_and_exports(dirs, tmp_path):
         module.accumulate_depth_metrics(module.unroll(next(iter(module.trainer.datamodule.val_dataloader()))))
     table = module.depth_table()
     assert len(table["valid"]) == 3 and len(table["valid"][0]) == K
-    assert table["valid"][0][0] == 1.0  # slot 0 of a context block has an empty chain before it
+    # Slot 0 of every block has an empty chain before it (the chain restarts in every block).
+    assert all(row[0] == 1.0 for row in table["valid"])
 
     assert module.target.layer_ids == [1, 3, 4]
     assert not any(p.requires_grad for p in module.target.parameters())
@@ -314,6 +503,8 @@ def test_short_fit_learns_and_exports(dirs, tmp_path):
         "target_layer_ids": [1, 3, 4],
         "rank_class_bounds": [1, 4, 10],
         "rank_hidden_size": 256,
+        "alignment": "next",
+        "draft_vocab_size": 64,
     }
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == set(module.drafter.state_dict())
@@ -331,19 +522,19 @@ def test_target_too_shallow_is_a_clear_error(tmp_path):
 def test_forward_drafts_for_a_real_target_end_to_end():
     torch.manual_seed(0)
     target = Qwen3ForCausalLM(qwen3_config()).eval()
-    model = SpecBlockDraftModel(build_config(target.config)).eval()
+    model = SpecBlockDraftModel(build_config(target.config, draft_vocab_size=50)).eval()
     ids = torch.randint(0, 97, (1, 10))
     hidden = target(ids, output_hidden_states=True).hidden_states
     feats = torch.cat([hidden[i + 1] for i in model.target_layer_ids], dim=-1)[:, :9]
     embed = target.get_input_embeddings()
     cache = DynamicCache(config=model.config)
-    ctx = model(model.project_features(feats), embed(ids[:, :9]), torch.arange(9)[None], past_key_values=cache)
+    # `next` alignment: f_i pairs with x_{i+1}, so the last context block (f_8, x_9 = the root) is the root block.
+    ctx = model(model.project_features(feats), embed(ids[:, 1:]), torch.arange(1, 10)[None], past_key_values=cache)
+    normed = model.norm(ctx[:, -1])
+    logprobs = torch.log_softmax(model.logits(normed, target.lm_head), dim=-1)
+    assert logprobs.shape == (1, K, 50)
+    assert model.rank_logits(normed, logprobs).shape == (1, K, 4)
     visible = torch.zeros(1, 1, 9 * K, dtype=torch.bool)
-    visible[..., : 8 * K + 1] = True
-    block = model(
-        ctx[:, 8:9, 0], embed(ids[:, 9:10]), torch.tensor([[9]]), launch_mask(visible, K), past_key_values=cache
-    )
-    normed = model.norm(block)
-    logprobs = torch.log_softmax(target.lm_head(normed), dim=-1)
-    assert logprobs.shape == (1, 1, K, 97)
-    assert model.rank_logits(normed, logprobs).shape == (1, 1, K, 4)
+    visible[..., : 8 * K + 2] = True
+    block = model(ctx[:, 8:9, 1], embed(ids[:, 9:10]), torch.tensor([[11]]), launch_mask(visible, K), cache)
+    assert block.shape == (1, 1, K, H)

@@ -362,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="a tree hyperparameter, repeatable: treeflash_top_m, treeflash_top_k, eagle_top_k, eagle_depth, "
-        "specblock_branch (4 widths: 2,4,10,0), specblock_rounds, specblock_blocks_per_round, recycling_width, "
+        "specblock_branch (4 widths: 2,4,10,0), specblock_root_width, specblock_stop (branching|chain), "
+        "specblock_launch_greedy, specblock_rounds, specblock_blocks_per_round, recycling_width, "
         "recycling_decay, recycling_max_depth, graft_checkpoints (0,1,5), graft_thresholds (0.3,0.1,0.02), "
         "graft_confidence (best|mass|top1), graft_draft_share (0.25,0.5,0.75,1), graft_retrieval "
         "(trainer/spec/options.py)",

@@ -14,6 +14,13 @@ earlier turns already regenerated*; user, system and tool turns are kept as they
   conversation lands in, and a resumed run samples what an uninterrupted one would have.
 - Only these arguments steer decoding: the target's own ``generation_config.json`` (hub sampling defaults,
   repetition penalties) is deliberately ignored, so the command line says everything about how data was made.
+- ``--format text`` (plain text and code, e.g. ``stdlib:train``): documents are cut into windows of
+  ``prompt_tokens + max_new_tokens`` tokens, and the target continues each window's first ``prompt_tokens``
+  tokens; ``--limit`` keeps that many windows spread evenly over the corpus. A continuation ends at the
+  end-of-text token or after ``max_new_tokens``. Each output line is ``{"id", "source", "text"}`` (prompt and
+  continuation, decoded), ``id`` being ``file@offset`` (the prompt's first token); training reads such a file as
+  text (``format: text``). Decoded text is tokenized again for training, which may merge a few tokens
+  differently from the ones the target wrote.
 - The output is JSON Lines, one ``{"id", "source", "messages"}`` per input conversation in input order; ``id``
   is the input's ``file:line`` (or ``file#row``). Lines are appended and flushed as each batch finishes, so a
   run killed at any moment is resumed by running the same command again: a torn last line is cut off and
@@ -24,6 +31,12 @@ On CPU with the shipped tiny target::
 
     trainer data regenerate --target checkpoints/target_tiny --data chats.jsonl --output regen.jsonl \\
         --max_new_tokens 64
+
+or, continuing stdlib text at the temperature of the evaluation::
+
+    trainer data regenerate --format text --target checkpoints/target_tiny --data stdlib:train \\
+        --output data/regenerated/stdlib_tiny.jsonl --prompt_tokens 64 --max_new_tokens 192 --limit 1500 \\
+        --temperature 0.7 --batch_size 32
 
 or from Python::
 
@@ -39,7 +52,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from rich.console import Console
@@ -55,7 +68,7 @@ from transformers import (
 
 from trainer.data.prepare import load_tokenizer
 from trainer.data.render import turn_end_marker
-from trainer.data.sources import LoadReport, load_chat
+from trainer.data.sources import LoadReport, load_chat, load_text
 from trainer.errors import UserError
 from trainer.sampling import nucleus
 from trainer.target import load_causal_lm
@@ -76,6 +89,16 @@ class ResumeState:
 
     done: set[str]
     dropped_partial: bool
+
+
+@dataclass
+class Decoding:
+    """How the target writes: temperature (0 = greedy), nucleus mass, length cap, seed of the sampling streams."""
+
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
 
 
 def pick_device() -> torch.device:
@@ -244,10 +267,7 @@ def _regenerate_batch(
     tokenizer: PreTrainedTokenizerBase,
     stops: Stops,
     batch: Sequence[dict[str, Any]],
-    temperature: float,
-    top_p: float,
-    max_new_tokens: int,
-    seed: int,
+    decoding: Decoding,
     template_kwargs: dict[str, Any],
 ) -> tuple[list[list[dict[str, Any]]], int]:
     """The conversations of ``batch`` with every assistant turn regenerated, and how many turns hit the cap."""
@@ -268,13 +288,58 @@ def _regenerate_batch(
         if not waiting:
             return done, capped
         prompts = [prompt_ids(tokenizer, done[i], **template_kwargs) for i in waiting]
-        seeds = [turn_seed(seed, batch[i]["id"], turn) for i in waiting]
-        replies = generate_batch(model, prompts, stops, max_new_tokens, temperature, top_p, seeds)
+        seeds = [turn_seed(decoding.seed, batch[i]["id"], turn) for i in waiting]
+        replies = generate_batch(
+            model, prompts, stops, decoding.max_new_tokens, decoding.temperature, decoding.top_p, seeds
+        )
         for i, (ids, stopped) in zip(waiting, replies, strict=True):
             done[i].append({"role": "assistant", "content": reply_text(tokenizer, ids, stops)})
             cursor[i] += 1
             capped += not stopped
         turn += 1
+
+
+def text_stops(tokenizer: PreTrainedTokenizerBase) -> Stops:
+    """Text continues until the end-of-text token (the tokenizer must have one)."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise UserError(f"the tokenizer of the target ({tokenizer.name_or_path}) has no end-of-text token")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    return Stops(ids=[eos], marker=tokenizer.eos_token, pad_id=pad_id)
+
+
+def text_windows(
+    tokenizer: PreTrainedTokenizerBase, rows: Any, prompt_tokens: int, window: int, limit: int | None
+) -> list[dict[str, Any]]:
+    """Prompts cut from text rows: the first ``prompt_tokens`` tokens of every ``window``-token window (the last,
+    shorter one too when it holds a whole prompt), ``limit`` of them evenly spread when there are more."""
+    windows = []
+    for row in rows:
+        ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"]
+        for offset in range(0, len(ids) - prompt_tokens + 1, window):
+            prompt = ids[offset : offset + prompt_tokens]
+            windows.append({"id": f"{row['source']}@{offset}", "source": row["source"], "prompt": prompt})
+    if limit is not None and len(windows) > limit:
+        step = len(windows) / limit
+        windows = [windows[int(i * step)] for i in range(limit)]
+    return windows
+
+
+def _continue_batch(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    stops: Stops,
+    batch: Sequence[dict[str, Any]],
+    decoding: Decoding,
+) -> tuple[list[str], int]:
+    """Each window's prompt and the target's continuation as text, and how many continuations hit the cap."""
+    seeds = [turn_seed(decoding.seed, row["id"], 0) for row in batch]
+    prompts = [row["prompt"] for row in batch]
+    replies = generate_batch(
+        model, prompts, stops, decoding.max_new_tokens, decoding.temperature, decoding.top_p, seeds
+    )
+    texts = [tokenizer.decode(row["prompt"] + ids) for row, (ids, _) in zip(batch, replies, strict=True)]
+    return texts, sum(not stopped for _, stopped in replies)
 
 
 def _check_args(temperature: float, top_p: float, max_new_tokens: int, batch_size: int) -> None:
@@ -309,8 +374,12 @@ def regenerate(
     strict: bool = False,
     dtype: str = "float32",
     chat_template_kwargs: dict[str, Any] | None = None,
+    format: Literal["chat", "text"] = "chat",
+    prompt_tokens: int = 64,
+    limit: int | None = None,
 ) -> None:
-    """Replace every assistant turn of chat conversations with the target model's own reply.
+    """Replace every assistant turn of chat conversations with the target model's own reply (or continue text
+    prompts, ``format: text``).
 
     Turns are regenerated in order, each given the conversation so far with the earlier replies already
     regenerated. Rerunning the same command after an interruption resumes: conversations already in the
@@ -332,13 +401,24 @@ def regenerate(
         dtype: Torch dtype of the target (float32, bfloat16, float16).
         chat_template_kwargs: Template variables, e.g. {enable_thinking: false} for Qwen3; use the same ones
             as the training recipe's data.spec.chat_template_kwargs so prompts render as training sees them.
+        format: chat (conversations) or text (plain text and code files, stdlib:train etc.; JSONL of "text").
+        prompt_tokens: text only: tokens of a window the target is given; it writes max_new_tokens after them.
+        limit: text only: at most this many windows, spread evenly over the corpus; default all.
     """
     _check_args(temperature, top_p, max_new_tokens, batch_size)
+    if prompt_tokens < 1:
+        raise UserError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
+    if limit is not None and limit < 1:
+        raise UserError(f"limit must be >= 1, got {limit}")
     template_kwargs = chat_template_kwargs or {}
     out_path = Path(output)
     _check_output_not_input(out_path, data)
     report = LoadReport()
-    rows = load_chat(data, strict=strict, report=report)
+    if format == "text":
+        tokenizer = load_tokenizer(target)
+        rows = text_windows(tokenizer, load_text(data), prompt_tokens, prompt_tokens + max_new_tokens, limit)
+    else:
+        rows = [{"id": row["source"], **row} for row in load_chat(data, strict=strict, report=report)]
     resume = read_resume_state(out_path)
     console = Console(stderr=True)
 
@@ -346,7 +426,7 @@ def regenerate(
     pending: list[dict[str, Any]] = []
     repeated = resumed = 0
     for row in rows:
-        conversation_id = row["source"]
+        conversation_id = row["id"]
         if conversation_id in seen:
             # The same file named twice (directly and through its directory) must not be generated twice.
             repeated += 1
@@ -355,7 +435,7 @@ def regenerate(
         if conversation_id in resume.done:
             resumed += 1
         else:
-            pending.append({"id": conversation_id, "source": row["source"], "messages": row["messages"]})
+            pending.append(row)
     foreign = len(resume.done - seen)
     if foreign:
         console.print(
@@ -364,9 +444,11 @@ def regenerate(
         )
 
     generated = capped = 0
+    format_key = "text" if format == "text" else "messages"
+    decoding = Decoding(temperature, top_p, max_new_tokens, seed)
     if pending:
         model, tokenizer = load_target(target, dtype, pick_device())
-        stops = stop_tokens(tokenizer)
+        stops = text_stops(tokenizer) if format == "text" else stop_tokens(tokenizer)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         columns = (
             TextColumn("{task.description}"),
@@ -383,11 +465,14 @@ def regenerate(
             task = progress.add_task(description, total=resumed + len(pending), completed=resumed)
             for start in range(0, len(pending), batch_size):
                 batch = pending[start : start + batch_size]
-                conversations, batch_capped = _regenerate_batch(
-                    model, tokenizer, stops, batch, temperature, top_p, max_new_tokens, seed, dict(template_kwargs)
-                )
-                for row, messages in zip(batch, conversations, strict=True):
-                    record = {"id": row["id"], "source": row["source"], "messages": messages}
+                if format == "text":
+                    outputs, batch_capped = _continue_batch(model, tokenizer, stops, batch, decoding)
+                else:
+                    outputs, batch_capped = _regenerate_batch(
+                        model, tokenizer, stops, batch, decoding, dict(template_kwargs)
+                    )
+                for row, output in zip(batch, outputs, strict=True):
+                    record = {"id": row["id"], "source": row["source"], format_key: output}
                     f.write(json.dumps(record, ensure_ascii=False) + "\n")
                     f.flush()
                 os.fsync(f.fileno())
@@ -395,13 +480,14 @@ def regenerate(
                 capped += batch_capped
                 progress.update(task, advance=len(batch))
 
+    items, replies = ("text windows", "continuations") if format == "text" else ("conversations", "assistant turns")
     lines = [
-        f"regenerate → {out_path}: {len(seen)} conversations kept ({len(report.malformed)} malformed rows skipped"
+        f"regenerate → {out_path}: {len(seen)} {items} kept ({len(report.malformed)} malformed rows skipped"
         + (f", {repeated} repeated ids skipped" if repeated else "")
         + f"), {resumed} already done (skipped), {generated} generated",
     ]
     if capped:
-        lines.append(f"  {capped} assistant turns reached max_new_tokens={max_new_tokens} and were cut there")
+        lines.append(f"  {capped} {replies} reached max_new_tokens={max_new_tokens} and were cut there")
     if resume.dropped_partial:
         lines.append("  a partial last line left by an interrupted run was removed")
     if report.malformed:

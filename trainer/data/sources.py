@@ -174,7 +174,9 @@ def load_chat(paths: Sequence[str | Path], strict: bool = False, report: LoadRep
 def load_text(paths: Sequence[str | Path], suffixes: Iterable[str] = TEXT_SUFFIXES) -> datasets.Dataset:
     """One row per non-empty UTF-8 text file (code or prose); undecodable files are reported, not kept.
 
-    ``stdlib:train`` (or ``validation``, ``heldout``) stands for that split of the embedded stdlib corpus.
+    ``stdlib:train`` (or ``validation``, ``heldout``) stands for that split of the embedded stdlib corpus. A
+    ``.jsonl`` file holds one text per line as ``{"text": ...}`` (what ``trainer data regenerate --format text``
+    writes); a line without a string ``text`` is reported with its file and line, not kept.
     """
     report = LoadReport()
     rows = []
@@ -187,8 +189,17 @@ def load_text(paths: Sequence[str | Path], suffixes: Iterable[str] = TEXT_SUFFIX
                 raise UserError(f"unknown stdlib split in {p!r}; use one of {', '.join('stdlib:' + s for s in SPLITS)}")
             files += [m.path for m in list_modules(split)]
         else:
-            files += _expand([p], set(suffixes))
+            files += _expand([p], set(suffixes) | {".jsonl"})
     for path in files:
+        if path.suffix == ".jsonl":
+            for place, rec in _json_records(path):
+                if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+                    if rec["text"].strip():
+                        rows.append({"text": rec["text"], "source": place})
+                else:
+                    reason = rec if isinstance(rec, MalformedRow) else "no string 'text' field"
+                    report.malformed.append(f"{place}: {reason}")
+            continue
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:

@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, rotate_half
 
+from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
 
 ConfigT = TypeVar("ConfigT", bound=PretrainedConfig)
@@ -88,6 +89,39 @@ class SdpaDrafter:
     _supports_flex_attn = False
     _supports_attention_backend = False
     _can_record_outputs: ClassVar[dict] = {}
+
+
+class DraftVocabHead:
+    """The ``d2t`` / ``t2d`` buffers of a drafter whose ``lm_head`` covers a reduced draft vocabulary (EAGLE-3's
+    layout): draft id ``d`` is target id ``d + d2t[d]``; ``t2d`` (V,) marks the target ids that have a draft id."""
+
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
+    def register_draft_vocab(self, vocab_size: int, draft_vocab_size: int) -> None:
+        """Buffers of the identity vocabulary (draft id d is target id d) until :meth:`set_draft_vocab`."""
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[:draft_vocab_size] = True
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", t2d)
+
+    @property
+    def draft_vocab(self) -> DraftVocab:
+        return DraftVocab(d2t=self.d2t, t2d=self.t2d)
+
+    def set_draft_vocab(self, vocab: DraftVocab) -> None:
+        """Adopt ``vocab`` (its size must equal the head's draft vocabulary, its target vocabulary the config's)."""
+        if vocab.d2t.shape != self.d2t.shape or vocab.t2d.shape != self.t2d.shape:
+            raise UserError(
+                f"draft vocabulary of {vocab.d2t.numel()} ids over {vocab.t2d.numel()} target ids does not fit a "
+                f"drafter with draft_vocab_size {self.d2t.numel()} and vocab_size {self.t2d.numel()}"
+            )
+        self.d2t.copy_(vocab.d2t)
+        self.t2d.copy_(vocab.t2d)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft ids. Shape: any → same."""
+        return draft_ids + self.d2t[draft_ids]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

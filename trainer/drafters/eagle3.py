@@ -60,8 +60,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from trainer.drafters.common import SdpaDrafter, drafter_config
-from trainer.drafters.vocab import DraftVocab
+from trainer.drafters.common import DraftVocabHead, SdpaDrafter, drafter_config
 from trainer.errors import UserError
 from trainer.masks import additive_mask
 
@@ -203,7 +202,7 @@ class Eagle3DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class Eagle3DraftModel(SdpaDrafter, LlamaPreTrainedModel):
+class Eagle3DraftModel(SdpaDrafter, DraftVocabHead, LlamaPreTrainedModel):
     """The EAGLE-3 drafter: ``fc`` over three target features, ``midlayer``, ``norm``, draft-vocabulary ``lm_head``."""
 
     main_input_name = "input_embeds"
@@ -228,11 +227,7 @@ class Eagle3DraftModel(SdpaDrafter, LlamaPreTrainedModel):
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
-        # Until a vocabulary is set, draft id d is target id d.
-        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-        t2d[:draft_vocab] = True
-        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
-        self.register_buffer("t2d", t2d)
+        self.register_draft_vocab(config.vocab_size, draft_vocab)
         self.post_init()
 
     # ---- vocabulary ---------------------------------------------------------------------------------------
@@ -240,24 +235,6 @@ class Eagle3DraftModel(SdpaDrafter, LlamaPreTrainedModel):
     def target_layer_ids(self) -> list[int]:
         """The feature layers in this project's layer-id convention (``hidden_states[l + 1]``), for ``Target``."""
         return [i - 1 for i in self.aux_layer_ids]
-
-    @property
-    def draft_vocab(self) -> DraftVocab:
-        return DraftVocab(d2t=self.d2t, t2d=self.t2d)
-
-    def set_draft_vocab(self, vocab: DraftVocab) -> None:
-        """Adopt ``vocab`` (its size must equal ``draft_vocab_size``, its target vocabulary the config's)."""
-        if vocab.d2t.shape != self.d2t.shape or vocab.t2d.shape != self.t2d.shape:
-            raise UserError(
-                f"draft vocabulary of {vocab.d2t.numel()} ids over {vocab.t2d.numel()} target ids does not fit a "
-                f"drafter with draft_vocab_size {self.d2t.numel()} and vocab_size {self.t2d.numel()}"
-            )
-        self.d2t.copy_(vocab.d2t)
-        self.t2d.copy_(vocab.t2d)
-
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Target token ids of draft ids. Shape: any → same."""
-        return draft_ids + self.d2t[draft_ids]
 
     # ---- forward ------------------------------------------------------------------------------------------
     def make_cache(self) -> DynamicCache:

@@ -1,18 +1,28 @@
 """SpecBlock block-iterative drafter (docs/algorithms.md §5): one forward drafts a block of K dependent slots.
 
-A block starts from a token ``x_s`` at position ``s`` and a condition vector. For a context position the
-condition is the projected target feature ``P f_s`` of the three EAGLE-3 layers (HF ``hidden_states`` indices
-``2, L//2, L-3``, i.e. this project's layer ids ``[1, L//2 - 1, L - 4]``, since ``hidden_states[l + 1]`` is the
-output of decoder layer ``l``). Slot ``k`` of the block gets the input::
+A block starts from a token ``x_s`` at position ``s`` and a condition vector, and slot ``k`` of the block predicts
+``x_{s+1+k}``. For a context position ``i`` the condition is the projected target feature ``P f_i`` of the three
+EAGLE-3 layers (HF ``hidden_states`` indices ``2, L//2, L-3``, i.e. this project's layer ids
+``[1, L//2 - 1, L - 4]``, since ``hidden_states[l + 1]`` is the output of decoder layer ``l``), and the token is
+set by ``alignment``:
+
+- ``next`` (the authors' code, the default): ``f_i`` pairs with the *next* token ``x_{i+1}`` as in EAGLE-3, so
+  ``s = i + 1`` and slot ``k`` predicts ``x_{i+2+k}``. At inference the newest context position pairs with the
+  root: its context block is the root block, drafted by the same forward that enters the context.
+- ``same``: ``f_i`` pairs with ``x_i`` (``s = i``); slot 0 predicts ``x_{i+1}``, which the target has already
+  committed, so the root block is a block launched from the last context position's slot 0 (one more forward).
+
+Slot ``k`` of the block gets the input::
 
     fuse(concat[condition_norm(condition), token_norm(E[x_s]), query_norm(slot_queries[k])])   fuse: 3H -> H
 
-sits at RoPE position ``s + 1 + k`` and predicts ``x_{s+1+k}``. Attention: slot ``(i, k)`` of context position
+and sits at RoPE position ``s + 1 + k``. Attention: slot ``(i, k)`` of context position
 ``i`` sees every slot of the positions ``< i`` and the slots ``<= k`` of its own position. Before every decoder
 layer but the first, a layer-wise shift hands each slot the previous slot's state of the same block,
 ``h <- shift(concat[h, h[k-1]])`` (slot 0 takes its own state), so slot ``k`` depends on slots ``< k`` and never on
-later ones. The final ``norm`` output goes through the target's frozen LM head: the drafter owns no embedding
-and no LM head.
+later ones. The final ``norm`` output goes through the LM head: with ``draft_vocab_size`` set, the drafter's own
+``lm_head`` over a reduced draft vocabulary (EAGLE-3's ``d2t`` / ``t2d`` layout, initialised from the target's
+rows by training); without it, the target's frozen full head. The drafter never owns an input embedding.
 
 Cross-block: a new block may start from any slot ``j`` of an earlier block. Its condition is that slot's pre-norm
 hidden state (no ``condition_proj``), its token the token drafted there, its position that token's position;
@@ -32,20 +42,24 @@ call that starts with ``P`` cached keys lands at cache index ``P + n*K + k``), o
     target = Qwen3ForCausalLM(Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64,
                                           num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                                           head_dim=8)).eval()
-    drafter = SpecBlockDraftModel(build_config(target.config)).eval()        # K = 4, layers [1, 3, 4]
+    drafter = SpecBlockDraftModel(build_config(target.config)).eval()        # K = 4, layers [1, 3, 4], next
     ids = torch.randint(0, 97, (1, 10))                                       # x_0..x_9; x_9 is the root
     hidden = target(ids, output_hidden_states=True).hidden_states
     feats = torch.cat([hidden[i + 1] for i in drafter.target_layer_ids], dim=-1)[:, :9]
     embed = target.get_input_embeddings()
     cache = DynamicCache(config=drafter.config)
-    ctx = drafter(drafter.project_features(feats), embed(ids[:, :9]), torch.arange(9)[None],
+    # Context blocks (f_i, x_{i+1}) at token positions 1..9; the last one, (f_8, root), is the root block.
+    ctx = drafter(drafter.project_features(feats), embed(ids[:, 1:]), torch.arange(1, 10)[None],
                   past_key_values=cache)                                      # (1, 9, 4, H); 36 keys cached
-    # Root block: from slot 0 of the last context position (it predicts the root), with the root token.
-    visible = torch.zeros(1, 1, 36, dtype=torch.bool); visible[..., : 8 * 4 + 1] = True
-    block = drafter(ctx[:, 8:9, 0], embed(ids[:, 9:10]), torch.tensor([[9]]),
-                    attention_mask=launch_mask(visible, 4), past_key_values=cache)   # slots: depths 1..4
-    logprobs = torch.log_softmax(target.lm_head(drafter.norm(block)).float(), dim=-1)
-    rank_class = drafter.rank_logits(drafter.norm(block), logprobs).argmax(-1)
+    normed = drafter.norm(ctx[:, -1])                                         # slots: depths 1..4
+    logprobs = torch.log_softmax(drafter.logits(normed, target.lm_head).float(), dim=-1)
+    rank_class = drafter.rank_logits(normed, logprobs).argmax(-1)
+    # A block launched from slot 1 of the root block, with its drafted token (position 11): it sees the
+    # earlier context and the root block's slots 0..1.
+    visible = torch.zeros(1, 1, 36, dtype=torch.bool); visible[..., : 8 * 4 + 2] = True
+    token = logprobs[0, 1].argmax()[None, None]
+    block = drafter(ctx[:, 8:9, 1], embed(token), torch.tensor([[11]]),
+                    attention_mask=launch_mask(visible, 4), past_key_values=cache)
     cache.crop(-4)                                                            # drop the draft keys again
 """
 
@@ -62,7 +76,13 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from trainer.drafters.common import DrafterDecoderLayer, SdpaDrafter, drafter_config, valid_layer_ids
+from trainer.drafters.common import (
+    DrafterDecoderLayer,
+    DraftVocabHead,
+    SdpaDrafter,
+    drafter_config,
+    valid_layer_ids,
+)
 from trainer.errors import UserError
 from trainer.masks import additive_mask
 
@@ -73,6 +93,8 @@ RANK_CLASS_BOUNDS = (1, 4, 10)
 RANK_TOPK = 10
 RANK_GAP_RANKS = (2, 3, 5)
 DEFAULT_RANK_HIDDEN_SIZE = 256
+# How a context position's features pair with a token (module docstring): the authors' ``next``, or ``same``.
+ALIGNMENTS = ("next", "same")
 
 
 def eagle3_layer_ids(num_target_layers: int) -> list[int]:
@@ -92,13 +114,16 @@ def build_config(
     block_size: int = DEFAULT_BLOCK_SIZE,
     target_layer_ids: Sequence[int] | None = None,
     rank_hidden_size: int = DEFAULT_RANK_HIDDEN_SIZE,
+    alignment: str = "next",
+    draft_vocab_size: int | None = None,
     **overrides: Any,
 ) -> Qwen3Config:
     """A drafter config for ``target_config``: the target's width, heads, RoPE, vocabulary and norm eps.
 
     The hidden size must equal the target's (the drafter reads its input embeddings and feeds its LM head);
     other fields (e.g. ``intermediate_size``) may be overridden. SpecBlock's own settings go under
-    ``specblock_config: {block_size, target_layer_ids, rank_class_bounds, rank_hidden_size}``.
+    ``specblock_config: {block_size, target_layer_ids, rank_class_bounds, rank_hidden_size, alignment,
+    draft_vocab_size}``; ``draft_vocab_size`` ``None`` drafts through the target's frozen LM head.
     """
     text = target_config.get_text_config()
     num_target_layers = text.num_hidden_layers
@@ -110,6 +135,13 @@ def build_config(
         raise UserError(f"rank_hidden_size must be at least 1, got {rank_hidden_size}")
     if text.vocab_size < RANK_TOPK:
         raise UserError(f"the rank head reads the top-{RANK_TOPK} log-probs; the vocabulary has {text.vocab_size}")
+    if alignment not in ALIGNMENTS:
+        raise UserError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
+    if draft_vocab_size is not None and not RANK_TOPK <= draft_vocab_size <= text.vocab_size:
+        raise UserError(
+            f"draft_vocab_size must be within {RANK_TOPK}..{text.vocab_size} (the target's vocabulary), "
+            f"got {draft_vocab_size}"
+        )
     if target_layer_ids is None:
         target_layer_ids = eagle3_layer_ids(num_target_layers)
     fields = {
@@ -119,6 +151,8 @@ def build_config(
             "target_layer_ids": valid_layer_ids(target_layer_ids, num_target_layers),
             "rank_class_bounds": list(RANK_CLASS_BOUNDS),
             "rank_hidden_size": rank_hidden_size,
+            "alignment": alignment,
+            "draft_vocab_size": draft_vocab_size,
         },
         "architectures": ["SpecBlockDraftModel"],
     }
@@ -208,8 +242,9 @@ class RankHead(nn.Module):
         return self.out(F.silu(self.up(features)))
 
 
-class SpecBlockDraftModel(SdpaDrafter, Qwen3PreTrainedModel):
-    """The SpecBlock drafter: condition/token/slot-query fusion, shifted Qwen3-style layers, ``norm``, rank head."""
+class SpecBlockDraftModel(SdpaDrafter, DraftVocabHead, Qwen3PreTrainedModel):
+    """The SpecBlock drafter: condition/token/slot-query fusion, shifted Qwen3-style layers, ``norm``, an optional
+    draft-vocabulary ``lm_head``, rank head."""
 
     main_input_name = "condition"
     _no_split_modules: ClassVar[list[str]] = ["DrafterDecoderLayer"]
@@ -222,6 +257,9 @@ class SpecBlockDraftModel(SdpaDrafter, Qwen3PreTrainedModel):
         self.block_size = int(spec["block_size"])
         self.target_layer_ids: list[int] = [int(i) for i in spec["target_layer_ids"]]
         self.rank_class_bounds: list[int] = [int(b) for b in spec["rank_class_bounds"]]
+        # Exports made before these fields existed paired f_i with x_i and drafted through the target's head.
+        self.alignment: str = spec.get("alignment", "same")
+        self.draft_vocab_size: int | None = spec.get("draft_vocab_size")
         hidden = config.hidden_size
 
         self.condition_proj = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
@@ -236,6 +274,9 @@ class SpecBlockDraftModel(SdpaDrafter, Qwen3PreTrainedModel):
             for i in range(config.num_hidden_layers)
         )
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, self.draft_vocab_size, bias=False) if self.draft_vocab_size else None
+        if self.draft_vocab_size:
+            self.register_draft_vocab(config.vocab_size, self.draft_vocab_size)
         self.rank_head = RankHead(
             hidden + RANK_TOPK + len(RANK_GAP_RANKS) + 2, int(spec["rank_hidden_size"]), len(self.rank_class_bounds) + 1
         )
@@ -320,6 +361,21 @@ class SpecBlockDraftModel(SdpaDrafter, Qwen3PreTrainedModel):
         for layer in self.layers:
             hidden_states = layer(hidden_states, position_embeddings, attention_mask, past_key_values)
         return hidden_states
+
+    @property
+    def token_shift(self) -> int:
+        """Row offset from a context position to its block's token: 1 for ``next``, 0 for ``same``."""
+        return 1 if self.alignment == "next" else 0
+
+    def logits(self, normed_hidden: torch.Tensor, target_head: nn.Module) -> torch.Tensor:
+        """Draft logits: over the draft vocabulary with the own ``lm_head``, else over the target's with
+        ``target_head`` (the target's frozen LM head). Shape: (..., H) → (..., draft_vocab_size or V)."""
+        head = self.lm_head if self.lm_head is not None else target_head
+        return head(normed_hidden)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft ids (the identity without an own head). Shape: any → same."""
+        return super().to_target(draft_ids) if self.lm_head is not None else draft_ids
 
     def rank_logits(self, normed_hidden: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
         """Rank-class logits (class c: the target token's rank is within ``rank_class_bounds``' c-th bracket).

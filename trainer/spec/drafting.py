@@ -21,6 +21,7 @@ On CPU, with the shipped tiny models::
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -318,10 +319,29 @@ class Eagle3Session(ContextSession):
         return self.drafter.logits(prenorm).float().log_softmax(-1)
 
 
+@dataclass
+class SpecBlockBlock:
+    """One drafted block: every slot's pre-norm state (K, H), log-probs (K, V or Vd: over the draft vocabulary
+    when the drafter has its own head, ``drafter.to_target`` maps their columns) and rank classes (K,);
+    ``offset``, the cache index of its slot 0; ``visible`` (P,) bool, the cached keys it saw besides its own
+    slots; ``position``, the position of its token."""
+
+    hidden: torch.Tensor
+    logprobs: torch.Tensor
+    classes: list[int]
+    offset: int
+    visible: torch.Tensor
+    position: int
+
+
 class SpecBlockSession(ContextSession):
     """SpecBlock: committed positions are entered as context blocks (``K`` slots each, conditioned on their
-    target features); a step launches the root block from the last context position's slot 0 (which predicts
-    the root) and then further blocks from pending leaves, several per drafter forward.
+    target features), then further blocks are launched from pending leaves, several per drafter forward.
+
+    The root block depends on the drafter's alignment (``trainer.drafters.specblock``): under ``next`` the
+    newest context position pairs its features with the root, so its context block is the root block, drafted
+    by the forward that enters the context; under ``same`` the root block is launched from the last context
+    position's slot 0 (which predicted the root), one more forward.
 
     Drafter keys live in one cache: context slot ``(i, k)`` at ``i*K + k``, then the step's blocks in launch
     order; :meth:`drop_tree` removes the blocks again."""
@@ -331,38 +351,56 @@ class SpecBlockSession(ContextSession):
         self.block_size = drafter.block_size
         self.cache = DynamicCache(config=drafter.config)
 
-    def enter_context(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Enter the pending context positions. Returns the root block's condition (the last position's slot-0
-        pre-norm state, which predicted the root; Shape: (H,)) and the keys it may see (Shape: (P,) bool)."""
+    def _heads(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and rank classes of pre-norm states. Shape: (..., H) → (..., V or Vd), (..., )"""
+        normed = self.drafter.norm(hidden)
+        logprobs = self.drafter.logits(normed, self.head).float().log_softmax(-1)
+        return logprobs, self.drafter.rank_logits(normed, logprobs).argmax(-1)
+
+    def root_block(self, root: int) -> SpecBlockBlock:
+        """Enter the pending context positions and draft the root block (depths 1..K after ``root``)."""
         dtype = self.drafter.fuse.weight.dtype
         start, end, pending = self.take_pending()
-        tokens = torch.tensor(self.tokens[start:end], device=self.device)[None]
-        positions = torch.arange(start, end, device=self.device)[None]
+        shift = self.drafter.token_shift
+        # The token of context position i is x_{i+shift}; under `next` the newest one's is the root.
+        tokens = torch.tensor([*self.tokens, root][start + shift : end + shift], device=self.device)[None]
+        positions = torch.arange(start + shift, end + shift, device=self.device)[None]
         condition = self.drafter.project_features(pending.to(dtype))
         out = self.drafter(condition, self.embed(tokens).to(dtype), positions, past_key_values=self.cache)
         self.forwards += 1
         k = self.block_size
-        visible = torch.zeros(self.cache.get_seq_length(), dtype=torch.bool, device=self.device)
-        # Every slot of the earlier positions, and slot 0 of the last one.
-        visible[: (end - 1) * k + 1] = True
-        return out[0, -1, 0], visible
+        # Every slot of the earlier positions.
+        visible = torch.ones((end - 1) * k, dtype=torch.bool, device=self.device)
+        if shift:
+            logprobs, classes = self._heads(out[0, -1])
+            return SpecBlockBlock(out[0, -1], logprobs, classes.tolist(), (end - 1) * k, visible, end)
+        # Launched from slot 0 of the last position, which predicted the root: it sees that slot too.
+        visible = torch.cat([visible, torch.ones(1, dtype=torch.bool, device=self.device)])
+        return self.launch(out[0, -1, :1], torch.tensor([root], device=self.device), [end], [visible])[0]
 
     def launch(
-        self, conditions: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, conditions: torch.Tensor, tokens: torch.Tensor, positions: list[int], visible: list[torch.Tensor]
+    ) -> list[SpecBlockBlock]:
         """Launch N blocks in one forward. Shapes: conditions (N, H) pre-norm states of the launching slots,
-        tokens (N,), positions (N,) of those tokens, visible (N, P) cached keys each block sees.
-        Returns pre-norm states (N, K, H), log-probs (N, K, V) and rank classes (N, K) of every slot."""
+        tokens (N,) target ids, ``positions`` of those tokens, ``visible`` (P_n,) the cached keys each block sees
+        (a prefix of the cache)."""
         dtype = self.drafter.fuse.weight.dtype
-        mask = launch_mask(visible[None], self.block_size)
+        cached = self.cache.get_seq_length()
+        seen = torch.zeros(len(visible), cached, dtype=torch.bool, device=self.device)
+        for row, keys in enumerate(visible):
+            seen[row, : keys.numel()] = keys
+        mask = launch_mask(seen[None], self.block_size)
+        position_ids = torch.tensor(positions, device=self.device)[None]
         hidden = self.drafter(
-            conditions[None].to(dtype), self.embed(tokens)[None].to(dtype), positions[None], mask, self.cache
+            conditions[None].to(dtype), self.embed(tokens)[None].to(dtype), position_ids, mask, self.cache
         )[0]
         self.forwards += 1
-        normed = self.drafter.norm(hidden)
-        logprobs = self.head(normed).float().log_softmax(-1)
-        classes = self.drafter.rank_logits(normed, logprobs).argmax(-1)
-        return hidden, logprobs, classes
+        logprobs, classes = self._heads(hidden)
+        k = self.block_size
+        return [
+            SpecBlockBlock(hidden[n], logprobs[n], classes[n].tolist(), cached + n * k, visible[n], positions[n])
+            for n in range(len(visible))
+        ]
 
     def drop_tree(self) -> None:
         """Forget the step's blocks, keep the context."""

@@ -38,6 +38,7 @@ from trainer.spec.drafting import (
     Eagle3Session,
     GraftSession,
     RecyclingSession,
+    SpecBlockBlock,
     SpecBlockSession,
     TreeFlashSession,
 )
@@ -252,7 +253,8 @@ def _graft_dflash(
 
 @dataclass
 class _Launch:
-    """Where a pending leaf's block starts: the drafted slot's state, the keys that slot saw, its position."""
+    """Where a pending leaf's block starts: the tree node it continues, the drafted slot's state, the keys that
+    slot saw, the position of the node's token."""
 
     node: int
     condition: torch.Tensor
@@ -260,76 +262,118 @@ class _Launch:
     position: int
 
 
+class _SpecBlockTree:
+    """The candidates a SpecBlock step grows (EAGLE-2's recording: token, parent, cumulative log-prob) and the
+    leaves waiting for a block. A token drafted twice under one parent (a launched block re-drafting the next
+    token of the block it came from) is one candidate: the tree keeps the first."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []
+        self.depths: list[int] = []
+        self.children: dict[tuple[int, int], int] = {}
+        self.pending: list[_Launch] = []
+
+    def score(self, node: int) -> float:
+        return self.scores[node] if node >= 0 else 0.0
+
+    def depth(self, node: int) -> int:
+        return self.depths[node] if node >= 0 else 0
+
+    def add(self, parent: int, tokens: list[int], logprobs: list[float]) -> list[int]:
+        """Children of ``parent`` with these tokens (new candidates, or the ones drafted before)."""
+        nodes = []
+        for token, lp in zip(tokens, logprobs, strict=True):
+            node = self.children.get((parent, token))
+            if node is None:
+                node = self.children[(parent, token)] = len(self.tokens)
+                self.tokens.append(token)
+                self.parents.append(parent)
+                self.scores.append(self.score(parent) + lp)
+                self.depths.append(self.depth(parent) + 1)
+            nodes.append(node)
+        return nodes
+
+    def grow(
+        self,
+        block: SpecBlockBlock,
+        node: int,
+        to_target: Callable[[torch.Tensor], torch.Tensor],
+        root: bool,
+        max_depth: int,
+        options: TreeOptions,
+    ) -> None:
+        """Walk ``block``'s slots from ``node``, adding each slot's children by its rank class (``root``: the root
+        block, whose slot 0 takes ``specblock_root_width``), and queue the leaves that launch blocks."""
+        k_slots = block.hidden.shape[0]
+        stopped = False
+        for slot in range(k_slots):
+            if self.depth(node) >= max_depth:
+                return
+            width = options.specblock_branch[block.classes[slot]]
+            if root and slot == 0 and options.specblock_root_width is not None:
+                width = options.specblock_root_width
+            if width == 0:
+                if options.specblock_stop == "chain":
+                    return
+                stopped = True
+            width = 1 if stopped else width
+            top = block.logprobs[slot].topk(min(width, block.logprobs.shape[-1]))
+            children = self.add(node, to_target(top.indices).tolist(), top.values.tolist())
+            # A block launched from this slot sees what the block saw plus the block's slots up to this one.
+            seen = torch.zeros(block.offset + k_slots, dtype=torch.bool, device=block.visible.device)
+            seen[: block.visible.numel()] = block.visible
+            seen[block.offset : block.offset + slot + 1] = True
+            position = block.position + 1 + slot
+            if width > 1:
+                launching = children if options.specblock_launch_greedy else children[1:]
+                self.pending += [_Launch(c, block.hidden[slot], seen, position) for c in launching]
+            node = children[0]
+            if slot == k_slots - 1 and not stopped and not (width > 1 and options.specblock_launch_greedy):
+                self.pending.append(_Launch(node, block.hidden[slot], seen, position))
+
+
 def _specblock(
     session: SpecBlockSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions
 ) -> Tree:
-    """Grow blocks from the root and from pending leaves, walking each block's slots by rank class; prune to
-    the ``budget`` best nodes by cumulative log-prob. A round launches the best pending leaves that could still
-    enter the pruned tree (a leaf's descendants never score above it)."""
+    """SpecBlock growth (docs/specblock.md): the root block, then ``specblock_rounds - 1`` rounds of blocks
+    launched from pending leaves, one drafter forward per round; each block adds its greedy tokens and, per
+    slot, alternatives by rank class; the tree is the ``budget`` best candidates by cumulative log-prob. A
+    round launches the best pending leaves that could still enter the pruned tree (a leaf's descendants never
+    score above it), at most ``specblock_blocks_per_round`` and no more than the budget left holds blocks of K."""
     k_slots = session.block_size
+    to_target = session.drafter.to_target
     with clock("draft"):
-        condition, visible = session.enter_context()
-    tokens: list[int] = []
-    parents: list[int] = []
-    scores: list[float] = []
-    depths: list[int] = []
-    pending = [_Launch(-1, condition, visible, session.entered)]
-    for _ in range(options.specblock_rounds):
+        block = session.root_block(root)
+    with clock("tree"):
+        tree = _SpecBlockTree()
+        tree.grow(block, -1, to_target, True, max_depth, options)
+    for _ in range(options.specblock_rounds - 1):
         with clock("tree"):
+            scores = tree.scores
             cutoff = sorted(scores, reverse=True)[budget - 1] if len(scores) >= budget else -math.inf
-            score_of = lambda launch: scores[launch.node] if launch.node >= 0 else 0.0  # noqa: E731
-            depth_of = lambda launch: depths[launch.node] if launch.node >= 0 else 0  # noqa: E731
-            ready = [p for p in pending if score_of(p) > cutoff and depth_of(p) < max_depth]
-            ready.sort(key=score_of, reverse=True)
-            per_round = options.specblock_blocks_per_round
-            batch, pending = ready[:per_round], ready[per_round:]
+            ready = [p for p in tree.pending if tree.score(p.node) > cutoff and tree.depth(p.node) < max_depth]
+            ready.sort(key=lambda p: tree.score(p.node), reverse=True)
+            per_round = min(options.specblock_blocks_per_round, max(1, (budget - len(scores)) // k_slots))
+            batch, tree.pending = ready[:per_round], ready[per_round:]
             if not batch:
                 break
-            cached = session.cache.get_seq_length()
-            visible = torch.zeros(len(batch), cached, dtype=torch.bool, device=session.device)
-            for row, launch in enumerate(batch):
-                visible[row, : launch.visible.numel()] = launch.visible
-            root_tokens = [tokens[p.node] if p.node >= 0 else root for p in batch]
+            tokens = torch.tensor([tree.tokens[p.node] for p in batch], device=session.device)
         with clock("draft"):
-            hidden, logprobs, classes = session.launch(
+            blocks = session.launch(
                 torch.stack([p.condition for p in batch]),
-                torch.tensor(root_tokens, device=session.device),
-                torch.tensor([p.position for p in batch], device=session.device),
-                visible,
+                tokens,
+                [p.position for p in batch],
+                [p.visible for p in batch],
             )
         with clock("tree"):
-            classes = classes.tolist()
-            for row, launch in enumerate(batch):
-                node = launch.node
-                offset = cached + row * k_slots
-                for slot in range(k_slots):
-                    width = options.specblock_branch[classes[row][slot]]
-                    depth = (depths[node] if node >= 0 else 0) + 1
-                    if width == 0 or depth > max_depth:
-                        break
-                    top = logprobs[row, slot].topk(width)
-                    # The slot's state and the keys a block launched from it sees: the launching block's view
-                    # plus this block's slots up to this one.
-                    seen = torch.zeros(offset + k_slots, dtype=torch.bool, device=session.device)
-                    seen[: launch.visible.numel()] = launch.visible
-                    seen[offset : offset + slot + 1] = True
-                    children = []
-                    for token, lp in zip(top.indices.tolist(), top.values.tolist(), strict=True):
-                        children.append(len(tokens))
-                        tokens.append(token)
-                        parents.append(node)
-                        scores.append((scores[node] if node >= 0 else 0.0) + lp)
-                        depths.append(depth)
-                    position = launch.position + 1 + slot
-                    # Alternatives wait for a block of their own; the top-1 child continues this block's walk.
-                    pending += [_Launch(c, hidden[row, slot], seen, position) for c in children[1:]]
-                    node = children[0]
-                    if slot == k_slots - 1:
-                        pending.append(_Launch(node, hidden[row, slot], seen, position))
+            for launch, block in zip(batch, blocks, strict=True):
+                tree.grow(block, launch.node, to_target, False, max_depth, options)
     with clock("draft"):
         session.drop_tree()
     with clock("tree"):
-        return best_subtree(tokens, parents, scores, root, budget)
+        return best_subtree(tree.tokens, tree.parents, tree.scores, root, budget)
 
 
 def _none(session: DraftSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions) -> Tree:

@@ -20,6 +20,9 @@ from trainer.spec.tree import CONFIDENCES
 
 BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
+# What a SpecBlock stop (a slot of width 0) ends.
+SPECBLOCK_STOPS = ("branching", "chain")
+
 
 @dataclass(frozen=True)
 class TreeOptions:
@@ -31,11 +34,20 @@ class TreeOptions:
     eagle_top_k: int = 10
     # EAGLE-2: drafter forwards per step (tree depth), the context forward included.
     eagle_depth: int = 7
-    # SpecBlock: children added at a slot per rank class 0..3 (class 3: rank > 10).
-    specblock_branch: tuple[int, ...] = (1, 4, 10, 0)
-    # SpecBlock: block rounds per step (the root block's included) and blocks launched per round.
-    specblock_rounds: int = 3
-    specblock_blocks_per_round: int = 8
+    # SpecBlock: children of a slot per rank class 0..3 (class 3: rank > 10), the greedy token included; a width
+    # of 0 is a stop (see specblock_stop).
+    specblock_branch: tuple[int, ...] = (2, 4, 10, 0)
+    # SpecBlock: children of the root block's slot 0 whatever its class; None = by its class like any slot.
+    specblock_root_width: int | None = 10
+    # SpecBlock: what a stop (width 0) ends: "branching" (the block's greedy tokens stay, later slots add no
+    # alternatives, no block continues it) or "chain" (the block's walk ends before the slot).
+    specblock_stop: str = "branching"
+    # SpecBlock: a greedy token at a slot that branches launches a block too (not only its alternatives).
+    specblock_launch_greedy: bool = True
+    # SpecBlock: block rounds per step (the root block's included), and at most this many blocks per round
+    # (fewer when the budget left holds fewer blocks of K nodes).
+    specblock_rounds: int = 2
+    specblock_blocks_per_round: int = 10
     # Token Recycling: successors kept per adjacency row, the template's per-rank decay and its depth.
     recycling_width: int = 8
     recycling_decay: float = 0.5
@@ -65,6 +77,12 @@ class TreeOptions:
             raise UserError(f"tree option treeflash_top_m must be at least 1, got {self.treeflash_top_m}")
         if len(self.specblock_branch) != 4 or min(self.specblock_branch) < 0:
             raise UserError(f"tree option specblock_branch takes 4 widths >= 0, got {self.specblock_branch}")
+        if self.specblock_root_width is not None and self.specblock_root_width < 1:
+            raise UserError(
+                f"tree option specblock_root_width must be at least 1 or none, got {self.specblock_root_width}"
+            )
+        if self.specblock_stop not in SPECBLOCK_STOPS:
+            raise UserError(f"tree option specblock_stop must be one of {SPECBLOCK_STOPS}, got {self.specblock_stop!r}")
         if not 0.0 < self.recycling_decay < 1.0:
             raise UserError(f"tree option recycling_decay must lie in (0, 1), got {self.recycling_decay}")
         checkpoints = self.graft_checkpoints

@@ -36,11 +36,10 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from trainer.data.features import teacher_at, with_features
-from trainer.data.pack import loss_token_counts, packed_attention_mask
+from trainer.data.pack import packed_attention_mask
 from trainer.drafters.eagle3 import Eagle3DraftModel, build_config
-from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
-from trainer.losses import topk_coverage
+from trainer.losses import draft_teacher, soft_cross_entropy_and_kl, topk_coverage
 from trainer.masks import additive_mask
 from trainer.training.frozen_target import FrozenTargetTraining
 from trainer.training.metrics import show_table
@@ -98,34 +97,6 @@ def ttt_attention_mask(doc_ids: torch.Tensor, step: int, dtype: torch.dtype = to
     return torch.cat([committed, *[own.expand_as(committed)] * step], dim=-1)
 
 
-def draft_teacher(
-    teacher_ids: torch.Tensor, teacher_lp: torch.Tensor, vocab: DraftVocab
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The teacher's top-k restricted to the draft vocabulary and renormalised there.
-
-    Shape: (..., k) target ids and log-probs → draft ids (0 where none), log-probs (``finfo.min`` where the
-    target id has no draft id), in-vocabulary mask, all (..., k).
-    """
-    in_vocab = vocab.t2d[teacher_ids]
-    draft_ids = torch.where(in_vocab, vocab.to_draft(teacher_ids), 0)
-    logp = teacher_lp.float().masked_fill(~in_vocab, torch.finfo(torch.float32).min)
-    return draft_ids, torch.log_softmax(logp, dim=-1), in_vocab
-
-
-def soft_cross_entropy_and_kl(
-    student_logits: torch.Tensor, draft_ids: torch.Tensor, teacher_logp: torch.Tensor, in_vocab: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``-Σ p log q`` and ``Σ p (log p - log q)`` over the restricted teacher support.
-
-    Shape: (..., Vd) draft logits, (..., k) from :func:`draft_teacher` → (...), (...)
-    """
-    q_log = torch.log_softmax(student_logits.float(), dim=-1).gather(-1, draft_ids)
-    p = teacher_logp.exp().masked_fill(~in_vocab, 0.0)
-    ce = -(p * q_log).sum(-1)
-    kl = torch.where(in_vocab, p * (teacher_logp - q_log), 0.0).sum(-1)
-    return ce, kl
-
-
 class Eagle3Training(FrozenTargetTraining):
     """Trains an EAGLE-3 drafter against a frozen target with the training-time-test unroll.
 
@@ -177,11 +148,7 @@ class Eagle3Training(FrozenTargetTraining):
             return self.load_drafter(Eagle3DraftModel, self.init_from)
         overrides = {"intermediate_size": self.intermediate_size} if self.intermediate_size else {}
         drafter = Eagle3DraftModel(build_config(target.config, self.draft_vocab_size, **overrides))
-        drafter.set_draft_vocab(self._training_vocab(target.config.vocab_size))
-        if self.init_lm_head:
-            with torch.no_grad():
-                rows = drafter.to_target(torch.arange(self.draft_vocab_size))
-                drafter.lm_head.weight.copy_(target.get_output_embeddings().weight[rows].float())
+        self.adopt_training_vocab(drafter, target, self.init_lm_head)
         return drafter
 
     def fit_problems(self, target: PretrainedConfig) -> list[str]:
@@ -189,20 +156,6 @@ class Eagle3Training(FrozenTargetTraining):
         if self.drafter.config.vocab_size != target.vocab_size:
             problems.append(f"vocabulary {self.drafter.config.vocab_size} vs the target's {target.vocab_size}")
         return problems
-
-    def _training_vocab(self, vocab_size: int) -> DraftVocab:
-        """The draft vocabulary of the training rows the attached datamodule serves."""
-        datamodule = self._trainer.datamodule if self._trainer is not None else None
-        if datamodule is None:
-            raise UserError(
-                "a new EAGLE-3 drafter takes its draft vocabulary from the training data: fit it with a datamodule, "
-                "or set model.init_from to a drafter that has one"
-            )
-        # configure_model runs after the datamodule's setup and before a checkpoint restores the data position,
-        # so building the loader here neither fails nor moves a resumed run's position.
-        dataset = datamodule.train_dataloader().dataset
-        counts = loss_token_counts((dataset[i] for i in range(len(dataset))), vocab_size)
-        return DraftVocab.from_counts(counts, self.draft_vocab_size)
 
     # ---- the unroll ---------------------------------------------------------------------------------------
     def unroll(self, batch: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[TTTStep]]:

@@ -16,8 +16,10 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 
+from trainer.data.pack import loss_token_counts
 from trainer.drafters.common import DrafterDecoderLayer
 from trainer.drafters.eagle3 import Eagle3DecoderLayer
+from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
 from trainer.io import write_dir_atomic
 from trainer.optim import adamw_warmup_cosine
@@ -140,6 +142,29 @@ class FrozenTargetTraining(L.LightningModule):
         if not (path / "config.json").is_file():
             raise UserError(f"model.init_from: no {self.family} checkpoint at {path}")
         return model_class.from_pretrained(str(path), dtype=torch.float32)
+
+    def adopt_training_vocab(self, drafter: torch.nn.Module, target: PreTrainedModel, init_head: bool) -> None:
+        """Give ``drafter`` (a :class:`~trainer.drafters.common.DraftVocabHead` with an ``lm_head``) the most
+        frequent loss-masked tokens of the training rows the attached datamodule serves as its draft vocabulary,
+        and with ``init_head`` start its ``lm_head`` from the target's LM-head rows of those tokens."""
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        if datamodule is None:
+            raise UserError(
+                f"a new {self.family} drafter takes its draft vocabulary from the training data: fit it with a "
+                "datamodule, or set model.init_from to a drafter that has one"
+            )
+        # configure_model runs after the datamodule's setup and before a checkpoint restores the data position,
+        # so building the loader here neither fails nor moves a resumed run's position.
+        dataset = datamodule.train_dataloader().dataset
+        counts = loss_token_counts(
+            (dataset[i] for i in range(len(dataset))), target.config.get_text_config().vocab_size
+        )
+        size = drafter.lm_head.out_features
+        drafter.set_draft_vocab(DraftVocab.from_counts(counts, size))
+        if init_head:
+            with torch.no_grad():
+                rows = drafter.to_target(torch.arange(size))
+                drafter.lm_head.weight.copy_(target.get_output_embeddings().weight[rows].float())
 
     def fit_problems(self, target: PretrainedConfig) -> list[str]:
         """What keeps the drafter from running on ``target`` (the target's text config); empty when it fits."""
