@@ -15,8 +15,11 @@ def normalise(name: str) -> str:
 
 
 def declared_dependencies() -> set[str]:
+    """The required dependencies plus the optional extras a user opts into (deepspeed: imported only when a
+    ZeRO strategy runs); the dev extra (test tools) never counts for the package's imports."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return {normalise(re.split(r"[\s\[<>=!~;]", spec, maxsplit=1)[0]) for spec in project["dependencies"]}
+    extras = [spec for name, specs in project["optional-dependencies"].items() if name != "dev" for spec in specs]
+    return {normalise(re.split(r"[\s\[<>=!~;]", spec, maxsplit=1)[0]) for spec in project["dependencies"] + extras}
 
 
 def imported_top_level_modules() -> dict[str, Path]:
