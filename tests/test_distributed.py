@@ -21,13 +21,13 @@ from trainer.export.source import load_source
 from trainer.io import partial_path
 
 STEPS = 4
+RANK_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The data and target, and the single-process reference: batch 1, 2-step accumulation. The reference runs
-    in a fresh process like the distributed runs, with the same thread count: state left in the pytest process
-    by earlier tests (threads, global flags) changed its losses in the third decimal."""
+    in a fresh process like the distributed runs, with the same environment."""
     root = tmp_path_factory.mktemp("dist")
     make_target_dirs(root, n_modules=6)
     launch(root, "single", "--accumulate", "2", "--steps", str(STEPS))
@@ -35,7 +35,10 @@ def runs(tmp_path_factory):
 
 
 def launch(root, name: str, *args: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    # Lightning passes its seed and rendezvous to the ranks through PL_* / MASTER_* variables; ones left in the
+    # pytest process by earlier Lightning runs (PL_GLOBAL_SEED) would reseed the ranks.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("PL_", "MASTER_")) and k not in RANK_VARS}
+    env = {**inherited, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, str(ROOT / "tests" / "dist_fit.py"), str(root), str(root / name), *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
