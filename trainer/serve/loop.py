@@ -42,6 +42,9 @@ class Served:
     request: str
     tau: float
     steps: int
+    # Output tokens from its request record (0: none logged); a request whose first token (from prefill)
+    # ends it has no verification steps.
+    tokens: int
     # The published adjacency version the request's steps were served with (0: none yet).
     version: int
 
@@ -113,17 +116,20 @@ def run_loop(
     if daemon is not None and daemon.returncode != 0:
         raise RuntimeError(f"the graft daemon exited with {daemon.returncode}:\n{daemon.stdout.read()[-2000:]}")
     steps: dict[str, list[dict]] = {}
+    outputs: dict[str, int] = {}
     for segment in sorted(logs.glob("*.jsonl")):
         for line in segment.read_text().splitlines():
             record = validate(json.loads(line))
             if record["kind"] == "step":
                 steps.setdefault(record["request"], []).append(record)
+            else:
+                outputs[record["request"]] = len(record["output_ids"])
     served = []
     for i, (domain, rid) in enumerate(sent):
         mine = steps.get(rid, [])
         tau = sum(len(r["accepted"]) + 1 for r in mine) / max(len(mine), 1)
         version = max((r["drafter_version"] or 0 for r in mine), default=0)
-        served.append(Served(i, domain, rid, tau, len(mine), version))
+        served.append(Served(i, domain, rid, tau, len(mine), outputs.get(rid, 0), version))
     return served
 
 
@@ -163,7 +169,7 @@ def write_report(out: Path, served: list[Served], size: int, control: list[Serve
     (out / "loop.json").write_text(json.dumps(record, indent=1))
     fig, ax = plt.subplots(figsize=(8, 3.5))
     for domain, color in (("stdlib", "tab:blue"), ("foreign", "tab:orange")):
-        mine = [s for s in served if s.domain == domain]
+        mine = [s for s in served if s.domain == domain and s.steps]
         ax.plot([s.index for s in mine], [s.tau for s in mine], ".", color=color, alpha=0.5, label=domain)
     centers = [sum(map(int, r["requests"].split("-"))) / 2 for r in rows]
     ax.plot(centers, [r["tau"] for r in rows], "k-", label=f"τ per {size} requests")
