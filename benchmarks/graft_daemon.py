@@ -5,8 +5,10 @@ Stages, each timed alone on the same synthetic traffic (steady state: the table 
 
 - aggregate: ``cap_per_replica`` + ``CandidateTable.add`` on evidence tensors (the daemon's own work);
 - evidence: parsed step records -> evidence tensors (``step_evidence``);
-- parse: JSON lines -> validated records (``LogReader``: ``json.loads`` + the shared validator);
-- end to end: ``GraftState.apply`` after parsing, i.e. all of the above.
+- parse: JSON lines -> validated records (``LogReader``: ``orjson.loads`` + the shared validator);
+- end to end: ``GraftState.apply`` after parsing, i.e. all of the above;
+- json alone: ``orjson.loads`` of every line, nothing else: the ceiling of any ingest that turns lines into
+  Python objects, whatever the validator and the aggregation cost.
 
 Traffic: step records of ``--nodes`` verified nodes (root included), top-8 each, from 4 replicas; node tokens
 are Zipf-distributed over the vocabulary and their top-8 mostly follow a fixed successor function (as a real
@@ -19,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import orjson
 import torch
 from safetensors.torch import save_file
 
@@ -75,7 +77,7 @@ def traffic(records: int, nodes: int, vocab: int, noise: float, seed: int = 0) -
                 accepted=[0],
                 bonus=int(successors[i, -1, 0]),
                 topk_ids=ids[i].tolist(),
-                topk_logprobs=[[round(x, 5) for x in row] for row in logprobs[i].tolist()],
+                topk_logprobs=[[round(x, 4) for x in row] for row in logprobs[i].tolist()],
                 ms={"draft": 1.0, "tree": 0.1, "verify": 2.0},
             )
         )
@@ -131,18 +133,26 @@ def measure(vocab: int, args: argparse.Namespace) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp) / "logs"
         logs.mkdir()
-        lines = "".join(json.dumps(r) + "\n" for b in batches for r in b)
+        # As LogWriter writes them: compact orjson lines (log-probs rounded to 1e-4 like StepRecorder).
+        lines = "".join(orjson.dumps(r).decode() + "\n" for b in batches for r in b)
         (logs / "bench-000000-1.jsonl").write_text(lines)
 
         def parse() -> None:
             for _ in LogReader(logs, vocab_size=vocab):
                 pass
 
+        raw = lines.encode().splitlines()
+
+        def loads() -> None:
+            for line in raw:
+                orjson.loads(line)
+
         times = {
             "aggregate": best_seconds(aggregate, args.repeats, fresh_copy),
             "evidence": best_seconds(convert, args.repeats),
             "parse": best_seconds(parse, args.repeats),
             "apply": best_seconds(apply, args.repeats, fresh_copy),
+            "json": best_seconds(loads, args.repeats),
         }
         adjacency_s = best_seconds(lambda: state.shared.adjacency(config.width), args.repeats)
         matrix = state.shared.adjacency(config.width)
@@ -162,6 +172,7 @@ def measure(vocab: int, args: argparse.Namespace) -> dict[str, float]:
         "evidence": nodes / times["evidence"],
         "parse": nodes / times["parse"],
         "end_to_end": nodes / (times["parse"] + times["apply"]),
+        "json": nodes / times["json"],
         "adjacency_ms": adjacency_s * 1e3,
         "publish_ms": publish_s * 1e3,
         "rows_held": state.shared.held(),
@@ -186,12 +197,15 @@ def main() -> None:
         f"{args.batches} batches x {args.batch_records} step records x {args.nodes} nodes, top-8, 4 replicas; "
         f"{args.clock} time, one thread"
     )
-    header = f"{'V':>8} {'aggregate':>12} {'evidence':>12} {'parse':>12} {'end to end':>12}  (nodes/s)"
+    stages = ("aggregate", "evidence", "parse", "end_to_end", "json")
+    header = (
+        f"{'V':>8} {'aggregate':>12} {'evidence':>12} {'parse':>12} {'end to end':>12} {'json alone':>12}  (nodes/s)"
+    )
     print(header)
     results = {}
     for vocab in (int(v) for v in args.vocabs.split(",")):
         r = results[vocab] = measure(vocab, args)
-        rates = " ".join(f"{r[k]:>12,.0f}" for k in ("aggregate", "evidence", "parse", "end_to_end"))
+        rates = " ".join(f"{r[k]:>12,.0f}" for k in stages)
         print(f"{vocab:>8} {rates}")
     print("\nshare of end-to-end time per stage, and publish latency")
     for vocab, r in results.items():
@@ -199,7 +213,8 @@ def main() -> None:
         shares = {k: (1 / r[k]) / total for k in ("parse", "evidence", "aggregate")}
         print(
             f"V={vocab}: parse {shares['parse']:.0%} · evidence {shares['evidence']:.0%} · aggregate "
-            f"{shares['aggregate']:.0%} · aggregate/parse speed {r['aggregate'] / r['parse']:.1f}x · "
+            f"{shares['aggregate']:.0%} · json alone {(1 / r['json']) / total:.0%} · "
+            f"aggregate/parse speed {r['aggregate'] / r['parse']:.1f}x · "
             f"adjacency {r['adjacency_ms']:.1f} ms + publish {r['publish_ms']:.1f} ms (wall) "
             f"({r['rows_held']} rows held)"
         )

@@ -5,8 +5,11 @@
    goes first; greedy decoding takes the same steps both ways, so milliseconds per step compare directly.
    Reported side by side: the hook's time on the decoding thread (the engine's ``log`` phase), the paired
    difference of whole steps in wall time (which also holds what the writer thread costs the decoding thread:
-   GIL, CPU), and the paired difference in process CPU time with the writer thread's work included (the cost
-   when no core is spare).
+   GIL, CPU), the paired difference in process CPU time with the writer thread's work included (the cost
+   when no core is spare), and the logging CPU counted directly (the hook's thread CPU time plus the writer
+   thread's), which does not carry the other runs' noise but misses indirect costs (caches) that the paired
+   difference holds. Paired shares come with their quartiles over pairs: on a loaded machine their spread is
+   wider than the effect, so repeat the run (``--repeats``) before reading a median.
 2. Writer: step records of ``budget`` draft nodes (k = 8) written until ``close`` returns: records/s (wall
    and per CPU-second), MB/s.
 3. Reader: ``LogReader`` with the validator over those segments: verified tree nodes (N + 1 rows per step
@@ -32,7 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer.spec.drafting import load_drafter
-from trainer.spec.engine import BUILDERS, generate, make_session
+from trainer.spec.engine import BUILDERS, StepEvent, generate, make_session
 from trainer.vlog.reader import LogReader
 from trainer.vlog.recorder import StepRecorder
 from trainer.vlog.schema import step_record
@@ -51,29 +54,38 @@ def load(args: argparse.Namespace) -> tuple:
 def overhead(args: argparse.Namespace, models: tuple, budget: int, log_dir: Path) -> dict:
     target, drafter, prompts = models
     builder = BUILDERS["ddtree"]
-    plain_ms, logged_ms, hook_ms, plain_cpu, logged_cpu = [], [], [], [], []
-    with LogWriter(log_dir, f"bench{budget}", vocab_size=target.config.vocab_size) as writer:
+    plain_ms, logged_ms, hook_ms, plain_cpu, logged_cpu, direct_cpu = [], [], [], [], [], []
+    writer = LogWriter(log_dir, f"bench{budget}", vocab_size=target.config.vocab_size, max_deferred=args.max_deferred)
+    with writer:
 
         def run(prompt: torch.Tensor, name: str | None) -> tuple:
-            recorder = None
+            hook = None
+            # CPU seconds spent logging, counted directly: the hook's on the decoding thread, the writer thread's.
+            logging = [-writer.cpu_seconds()]
             if name is not None:
                 recorder = StepRecorder(writer, server="bench", request=name, tenant=None, shareable=True,
                                         drafter=args.drafter, drafter_version=None)  # fmt: skip
+
+                def hook(event: StepEvent) -> None:
+                    start = time.thread_time()
+                    recorder(event)
+                    logging[0] += time.thread_time() - start
+
             session = make_session("ddtree", target, drafter)
             cpu = time.process_time()
-            g = generate(target, session, builder, prompt, args.max_new_tokens, budget, on_step=recorder)
-            if recorder is not None:
+            g = generate(target, session, builder, prompt, args.max_new_tokens, budget, on_step=hook)
+            if hook is not None:
                 recorder.finish(prompt.tolist(), g.tokens)
                 # The writer thread's work counts in the CPU time (all threads of the process).
                 writer.flush()
-            return g, time.process_time() - cpu
+            return g, time.process_time() - cpu, logging[0] + writer.cpu_seconds()
 
         run(prompts[0], None)  # warm-up
         for rep in range(args.repeats):
             for i, prompt in enumerate(prompts):
                 order = [None, f"{rep}/{i}"] if (rep + i) % 2 == 0 else [f"{rep}/{i}", None]
                 results = {name is None: run(prompt, name) for name in order}
-                (plain, plain_s), (logged, logged_s) = results[True], results[False]
+                (plain, plain_s, _), (logged, logged_s, logging_s) = results[True], results[False]
                 assert plain.tokens == logged.tokens, "logging changed the output"
                 steps = len(logged.steps)
                 plain_ms.append(1000 * plain.decode_seconds / steps)
@@ -81,8 +93,7 @@ def overhead(args: argparse.Namespace, models: tuple, budget: int, log_dir: Path
                 hook_ms.append(1000 * sum(s.seconds.get("log", 0.0) for s in logged.steps) / steps)
                 plain_cpu.append(1000 * plain_s / steps)
                 logged_cpu.append(1000 * logged_s / steps)
-    # Per pair, so that machine load common to both runs cancels.
-    paired = lambda a, b: statistics.median((y - x) / x for x, y in zip(a, b, strict=True))  # noqa: E731
+                direct_cpu.append(1000 * logging_s / steps)
     plain = statistics.median(plain_ms)
     hook = statistics.median(hook_ms)
     return {
@@ -94,7 +105,20 @@ def overhead(args: argparse.Namespace, models: tuple, budget: int, log_dir: Path
         "cpu_share": paired(plain_cpu, logged_cpu),
         "plain_cpu": statistics.median(plain_cpu),
         "log_cpu": statistics.median(b - a for a, b in zip(plain_cpu, logged_cpu, strict=True)),
+        "direct_cpu": statistics.median(direct_cpu),
+        "direct_share": statistics.median(d / p for d, p in zip(direct_cpu, plain_cpu, strict=True)),
     }
+
+
+def paired(plain: list[float], logged: list[float]) -> tuple[float, float, float]:
+    """Median and quartiles of (logged - plain) / plain per pair, so that machine load common to both runs of
+    a pair cancels; the quartiles show how much the rest of the load moved it."""
+    q1, median, q3 = statistics.quantiles(((y - x) / x for x, y in zip(plain, logged, strict=True)), n=4)
+    return median, q1, q3
+
+
+def share(q: tuple[float, float, float]) -> str:
+    return f"{q[0]:+.1%} [{q[1]:+.1%}, {q[2]:+.1%}]"
 
 
 def synthetic_records(n: int, nodes: int, vocab: int, seed: int) -> list[dict]:
@@ -152,21 +176,25 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--records", type=int, default=4000)
+    p.add_argument("--max-deferred", type=int, default=8, help="LogWriter.max_deferred (0: reduce on the hook)")
     args = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     budgets = [int(b) for b in args.budgets.split(",")]
 
     with tempfile.TemporaryDirectory() as tmp:
         print("logging overhead per decoding step (greedy, ddtree, tiny target; medians over prompts x repeats)")
+        print(f"(max_deferred = {args.max_deferred}: 0 reduces the logits on the decoding thread; shares: median "
+              "[quartiles] over pairs)")  # fmt: skip
         print("| budget | plain ms/step | logged ms/step | wall: (logged - plain) / plain | hook ms/step "
-              "| hook / step | plain CPU ms/step | logging CPU ms/step | CPU: (logged - plain) / plain |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|")
+              "| hook / step | plain CPU ms/step | logging CPU ms/step | CPU: (logged - plain) / plain "
+              "| logging CPU counted ms/step | counted / plain CPU |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         models = load(args)
         for budget in budgets:
             r = overhead(args, models, budget, Path(tmp) / "overhead")
-            print(f"| {budget} | {r['plain']:.2f} | {r['logged']:.2f} | {r['wall_share']:+.1%} | {r['hook']:.3f} "
+            print(f"| {budget} | {r['plain']:.2f} | {r['logged']:.2f} | {share(r['wall_share'])} | {r['hook']:.3f} "
                   f"| {r['hook_share']:.1%} | {r['plain_cpu']:.2f} | {r['log_cpu']:.3f} "
-                  f"| {r['cpu_share']:+.1%} |")  # fmt: skip
+                  f"| {share(r['cpu_share'])} | {r['direct_cpu']:.3f} | {r['direct_share']:.1%} |")  # fmt: skip
 
         print("\nwriter and reader + validator throughput (synthetic step records, k = 8; CPU = per CPU-second)")
         print("| vocab | draft nodes | writer records/s | writer records/CPU-s | writer MB/s | reader nodes/s "

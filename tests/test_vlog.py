@@ -371,6 +371,24 @@ def test_recorder_logs_the_targets_topk_whether_reduced_here_or_on_the_writer_th
         assert (r["tenant"], r["shareable"], r["drafter_version"], r["budget"]) == ("t", False, 3, 6)
 
 
+@pytest.mark.parametrize("vocab", [8192, 1000])
+def test_two_stage_topk_equals_the_full_topk(vocab):
+    import torch
+
+    from trainer.vlog.recorder import CHUNK, _top
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, vocab)
+    # Row 1: the 12 best logits share one chunk; row 2: each of the 8 best sits in its own chunk, and the
+    # runners-up are chunk maxima too, so the pre-selection must pick exactly the right chunks.
+    logits[1, 3 * CHUNK : 3 * CHUNK + 12] = torch.arange(12.0) + 10
+    logits[2, torch.arange(16) * (vocab // 16)] = torch.linspace(20, 5, 16)
+    ids, logprobs = _top(logits, 8)
+    expected = logits.log_softmax(-1).topk(8, dim=-1)
+    assert torch.equal(ids, expected.indices)
+    assert torch.equal(logprobs, expected.values)
+
+
 # ---- trainer eval --logs --------------------------------------------------------------------------------------
 def test_eval_logs_reproduce_every_speculative_run(tmp_path):
     import torch

@@ -127,6 +127,10 @@ class LogWriter:
             self._lock.close()
         self._check()
 
+    def cpu_seconds(self) -> float:
+        """CPU time the writer thread has used (the share of logging a caller does not see on its own thread)."""
+        return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+
     def __enter__(self) -> LogWriter:
         return self
 
