@@ -225,6 +225,10 @@ def test_partial_last_line_is_waited_for_and_the_rename_keeps_offsets(tmp_path):
         ('"just a string"', "a record is a JSON object, got str"),
         (b'{"v": 1, "kind": "\xff\xfe"}', "line is not UTF-8"),
         ("[" * 100000 + "]" * 100000, "nested too deeply"),
+        # Integers beyond 64 bits reach the validator through the standard parser; past its digit limit, not even.
+        (json.dumps(step(topk_logprobs=[[-1.0] * 8] * 3 + [[-(10**400)] + [-1.0] * 7])), "[3][0] is -1000"),
+        (json.dumps(step(ms={"draft": 10**400, "tree": 0.5, "verify": 1.0})), "characters) is not a finite duration"),
+        ('{"v": ' + "9" * 5000 + "}", "not JSON this reader can hold"),
     ],
 )
 def test_hostile_lines_are_rejected_with_their_reason_between_good_ones(tmp_path, line, expected):

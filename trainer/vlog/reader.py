@@ -141,5 +141,8 @@ def _parse_slowly(line: bytes) -> object:
         raise RecordError("line is not UTF-8") from None
     except json.JSONDecodeError as e:
         raise RecordError(f"not JSON: {e.msg} at column {e.colno}") from None
+    except ValueError as e:
+        # An integer literal beyond the interpreter's digit limit (sys.get_int_max_str_digits()).
+        raise RecordError(f"not JSON this reader can hold: {e}") from None
     except RecursionError:
         raise RecordError("JSON nested too deeply") from None

@@ -36,10 +36,25 @@ class RecordError(ValueError):
         self.offset = offset
 
 
+def _finite(value: float | int) -> bool:
+    # An int beyond the float range (JSON allows any length) is not a usable number either.
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _show(value: object) -> str:
+    """A value for a reason, cut short: an integer may have thousands of digits."""
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
 def _require(record: dict, name: str, kinds: tuple[type, ...]) -> object:
-    if name not in record:
-        raise RecordError(f"missing field {name!r}")
-    value = record[name]
+    try:
+        value = record[name]
+    except KeyError:
+        raise RecordError(f"missing field {name!r}") from None
     # type() rather than isinstance: JSON true is not an int, and an int is not a float here.
     if type(value) not in kinds:
         wanted = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
@@ -50,7 +65,7 @@ def _require(record: dict, name: str, kinds: tuple[type, ...]) -> object:
 def _count(record: dict, name: str) -> int:
     value = _require(record, name, (int,))
     if value < 0:
-        raise RecordError(f"field {name!r} must be >= 0, got {value}")
+        raise RecordError(f"field {name!r} must be >= 0, got {_show(value)}")
     return value
 
 
@@ -60,17 +75,20 @@ def _token_list(name: str, values: list, vocab_size: int | None) -> None:
         return
     if set(map(type, values)) != {int}:
         bad = next(v for v in values if type(v) is not int)
-        raise RecordError(f"{name} must hold token ids (int), found {type(bad).__name__} {bad!r}")
+        raise RecordError(f"{name} must hold token ids (int), found {type(bad).__name__} {_show(repr(bad))}")
     low, high = min(values), max(values)
     if low < 0:
-        raise RecordError(f"{name} holds a negative token id {low}")
+        raise RecordError(f"{name} holds a negative token id {_show(low)}")
     if vocab_size is not None and high >= vocab_size:
-        raise RecordError(f"{name} holds token id {high} outside the vocabulary of {vocab_size}")
+        raise RecordError(f"{name} holds token id {_show(high)} outside the vocabulary of {vocab_size}")
 
 
 def _token(record: dict, name: str, vocab_size: int | None) -> int:
     value = _require(record, name, (int,))
-    _token_list(f"field {name!r}", [value], vocab_size)
+    if value < 0:
+        raise RecordError(f"field {name!r} holds a negative token id {_show(value)}")
+    if vocab_size is not None and value >= vocab_size:
+        raise RecordError(f"field {name!r} holds token id {_show(value)} outside the vocabulary of {vocab_size}")
     return value
 
 
@@ -125,7 +143,7 @@ def _step(record: dict, vocab_size: int | None) -> None:
         # Topological order: -1 (the root) or an earlier node.
         if min(parents) < -1 or not all(map(lt, parents, range(n))):
             bad = next(i for i, p in enumerate(parents) if not -1 <= p < i)
-            raise RecordError(f"parents[{bad}] = {parents[bad]}: a parent is -1 (root) or an earlier node")
+            raise RecordError(f"parents[{bad}] = {_show(parents[bad])}: a parent is -1 (root) or an earlier node")
 
     accepted = _require(record, "accepted", (list,))
     if accepted and set(map(type, accepted)) != {int}:
@@ -133,7 +151,7 @@ def _step(record: dict, vocab_size: int | None) -> None:
     parent = -1
     for j, node in enumerate(accepted):
         if not 0 <= node < n:
-            raise RecordError(f"accepted[{j}] = {node} is not a node of a tree with {n} draft nodes")
+            raise RecordError(f"accepted[{j}] = {_show(node)} is not a node of a tree with {n} draft nodes")
         if parents[node] != parent:
             raise RecordError(f"accepted[{j}] = {node} is not a child of {parent}: 'accepted' must be a root path")
         parent = node
@@ -147,17 +165,21 @@ def _step(record: dict, vocab_size: int | None) -> None:
     flat = list(chain.from_iterable(logprobs))
     if not set(map(type, flat)) <= {float, int}:
         raise RecordError("field 'topk_logprobs' must hold numbers")
-    if not all(map(math.isfinite, flat)):
-        row, col = divmod(next(i for i, v in enumerate(flat) if not math.isfinite(v)), k)
-        raise RecordError(f"topk_logprobs[{row}][{col}] is {flat[row * k + col]}, not a finite log-prob")
+    try:
+        finite = all(map(math.isfinite, flat))
+    except OverflowError:
+        finite = False
+    if not finite:
+        row, col = divmod(next(i for i, v in enumerate(flat) if not _finite(v)), k)
+        raise RecordError(f"topk_logprobs[{row}][{col}] is {_show(flat[row * k + col])}, not a finite log-prob")
     if max(flat) > LOGPROB_SLACK:
         raise RecordError(f"field 'topk_logprobs' holds {max(flat)} > 0: log-probs, not logits, are logged")
 
     ms = _require(record, "ms", (dict,))
     for phase in PHASES:
         value = _require(ms, phase, (float, int))
-        if not math.isfinite(value) or value < 0:
-            raise RecordError(f"ms.{phase} = {value} is not a finite duration >= 0")
+        if not _finite(value) or value < 0:
+            raise RecordError(f"ms.{phase} = {_show(value)} is not a finite duration >= 0")
 
 
 def _request(record: dict, vocab_size: int | None) -> None:
@@ -178,10 +200,10 @@ def validate(obj: object, vocab_size: int | None = None) -> dict:
     if "v" not in obj:
         raise RecordError("missing field 'v' (format version)")
     if type(obj["v"]) is not int or obj["v"] != VERSION:
-        raise RecordError(f"unknown version v={obj['v']!r}; this reader knows v={VERSION}")
+        raise RecordError(f"unknown version v={_show(repr(obj['v']))}; this reader knows v={VERSION}")
     kind = obj.get("kind")
     if kind not in KINDS:
-        raise RecordError(f"unknown kind {kind!r}; expected one of {list(KINDS)}")
+        raise RecordError(f"unknown kind {_show(repr(kind))}; expected one of {list(KINDS)}")
     _common(obj)
     (_step if kind == "step" else _request)(obj, vocab_size)
     return obj
