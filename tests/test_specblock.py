@@ -22,6 +22,7 @@ from trainer.drafters.specblock import (
     token_rank,
 )
 from trainer.errors import UserError
+from trainer.losses import draft_teacher, forward_kl_topk, soft_cross_entropy_and_kl
 from trainer.training.specblock import (
     SpecBlockTraining,
     asymmetric_ordinal_targets,
@@ -457,6 +458,46 @@ def test_own_head_starts_from_the_targets_rows_and_restricts_the_teacher(dirs):
         top = batch["teacher_topk_ids"][..., 0].gather(1, teacher_row.flatten(1)).view(teacher_row.shape)
         assert not (r.counted & ~drafter.t2d[top]).any()
     assert torch.isfinite(module.losses(results)["loss"])
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 48])
+def test_head_gradient_from_valid_slots_equals_the_full_heads(dirs, draft_vocab_size):
+    """The unroll runs the LM head with gradient on the valid slots only; its KL (M,) must equal, in value and in
+    gradient, the KL of a head run with gradient on all M slots and masked to the valid ones."""
+    module, batch = training_module(dirs, draft_vocab_size=draft_vocab_size)
+    drafter = module.drafter
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    batch = with_features(batch, module.target, module.topk)
+    results = module.unroll(batch)
+    assert any(not r.kl_mask.all() and r.kl_mask.any() for r in results)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    kept, full = [], []
+    for r in results:
+        # Every counted slot is headed: under teacher launches no chain is dropped between blocks.
+        where = r.counted.nonzero(as_tuple=True)
+        assert r.kl_mask.numel() == where[0].numel()
+        logits = drafter.logits(drafter.norm(r.hidden[where]), module.target.lm_head)
+        assert torch.allclose(logits.detach(), r.logits, atol=1e-5)
+        t = batch["input_ids"].shape[1]
+        # The teacher of slot k sits one row before its label x_{start+1+k}.
+        rows = (r.start[..., None] + torch.arange(K)).clamp(max=t - 1)[where]
+        ids, lp = batch["teacher_topk_ids"][where[0], rows], batch["teacher_topk_logprobs"][where[0], rows]
+        if drafter.lm_head is None:
+            kl = forward_kl_topk(logits, ids, lp)
+        else:
+            kl = soft_cross_entropy_and_kl(logits, *draft_teacher(ids, lp, drafter.draft_vocab))[1]
+        assert torch.allclose(kl.detach(), r.kl.detach(), atol=1e-5)
+        kept.append((r.kl * r.kl_mask).sum())
+        full.append((kl * r.kl_mask).sum())
+    fast = torch.autograd.grad(sum(kept), params, allow_unused=True, retain_graph=True)
+    slow = torch.autograd.grad(sum(full), params, allow_unused=True)
+    for a, b in zip(fast, slow, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
 
 
 def test_short_fit_learns_and_exports(dirs, tmp_path):

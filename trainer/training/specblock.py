@@ -302,17 +302,19 @@ class SpecBlockTraining(FrozenTargetTraining):
 
         where = (counted & prefix_ok[..., None]).nonzero(as_tuple=True)
         normed = drafter.norm(hidden[where])
-        # Shape: (M, V or Vd) the differentiable heads of the slots that may carry a loss
-        logits = drafter.logits(normed, self.target.lm_head)
+        head = lambda x: drafter.logits(x, self.target.lm_head)  # noqa: E731
         t_ids, t_lp = teacher_ids[where], teacher_lp[where]
         if drafter.lm_head is not None:
-            d_ids, d_lp, in_vocab = draft_teacher(t_ids, t_lp, drafter.draft_vocab)
-            _, kl = soft_cross_entropy_and_kl(logits, d_ids, d_lp, in_vocab)
-            tvd = tvd_topk(logits, d_ids, d_lp, support=in_vocab)
-            rank_token = d_ids[:, 0]
+            head_ids, head_lp, in_vocab = draft_teacher(t_ids, t_lp, drafter.draft_vocab)
+            rank_token = head_ids[:, 0]
         else:
-            kl, tvd, rank_token = forward_kl_topk(logits, t_ids, t_lp), tvd_topk(logits, t_ids, t_lp), t_ids[:, 0]
+            head_ids, head_lp, in_vocab, rank_token = t_ids, t_lp, None, t_ids[:, 0]
+        # Only valid slots carry KL, and which slots are valid follows from the drafts: the head runs without
+        # gradient on the M slots (drafts, rank features, metrics), then with gradient on the valid ones only,
+        # which is the same loss for a fraction of the head's backward (valid slots are a third or fewer).
         with torch.no_grad():
+            # Shape: (M, V or Vd)
+            logits = head(normed)
             draft_m = drafter.to_target(logits.argmax(-1))
         draft = torch.zeros(counted.shape, dtype=torch.long, device=ids.device)
         draft[where] = draft_m
@@ -320,15 +322,28 @@ class SpecBlockTraining(FrozenTargetTraining):
         right = teacher_ids[..., 0] if self.validity == "teacher" else at(ids, index)
         match = counted & (draft == right)
         valid = counted & valid_slots(prefix_ok, match)
+        kl_mask = valid[where]
+        taught = kl_mask.nonzero(as_tuple=True)[0]
+
+        def kl_of(logits: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+            if in_vocab is None:
+                return forward_kl_topk(logits, head_ids[rows], head_lp[rows])
+            return soft_cross_entropy_and_kl(logits, head_ids[rows], head_lp[rows], in_vocab[rows])[1]
+
+        with torch.no_grad():
+            kl = kl_of(logits, slice(None))
+            tvd = tvd_topk(logits, head_ids, head_lp, support=in_vocab)
+        # Shape: (M,) the valid slots' entries differentiable, the others detached (they carry no loss)
+        kl = kl.index_put((taught,), kl_of(head(normed[taught]), taught))
 
         rank_logits = drafter.rank_logits(normed, torch.log_softmax(logits.float(), dim=-1))
-        rank_target = rank_class(token_rank(logits.detach(), rank_token), drafter.rank_class_bounds)
+        rank_target = rank_class(token_rank(logits, rank_token), drafter.rank_class_bounds)
         if self.rank_chain:
             rank_ok = torch.zeros_like(counted)
             rank_ok[where] = rank_logits.detach().argmax(-1) == rank_target
             rank_mask = (counted & valid_slots(prefix_ok, rank_ok))[where]
         else:
-            rank_mask = valid[where]
+            rank_mask = kl_mask
         return BlockResult(
             hidden=hidden,
             draft=draft,
@@ -337,7 +352,7 @@ class SpecBlockTraining(FrozenTargetTraining):
             through=correct_through(prefix_ok, match),
             start=start,
             slot=where[2],
-            kl_mask=valid[where],
+            kl_mask=kl_mask,
             rank_mask=rank_mask,
             logits=logits,
             kl=kl,
