@@ -142,6 +142,23 @@ def test_a_later_position_never_influences_an_earlier_one():
     assert not torch.allclose(base[:, 4:], moved[:, 4:], atol=1e-3)
 
 
+def test_first_layer_input_is_fuse_of_condition_token_and_slot_query():
+    """Slot k of a block enters the layers as ``fuse(concat[condition_norm(c), token_norm(E[x]), query_norm(q_k)])``
+    (the forward computes it as three per-part maps broadcast over slots)."""
+    model = drafter_for()
+    features, tokens, positions = random_inputs(3)
+    condition = model.project_features(features)
+    seen = []
+    model.layers[0].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    model(condition, tokens, positions)
+    parts = [
+        model.condition_norm(condition)[:, :, None].expand(1, 3, K, H),
+        model.token_norm(tokens)[:, :, None].expand(1, 3, K, H),
+        model.query_norm(model.slot_queries)[None, None].expand(1, 3, K, H),
+    ]
+    assert torch.allclose(seen[0], model.fuse(torch.cat(parts, dim=-1)), atol=1e-6)
+
+
 def test_layer_shift_carries_earlier_slots_forward_only():
     model = drafter_for()
     features, tokens, positions = random_inputs(3)

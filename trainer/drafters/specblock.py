@@ -344,17 +344,16 @@ class SpecBlockDraftModel(SdpaDrafter, DraftVocabHead, Qwen3PreTrainedModel):
         dtype = self.fuse.weight.dtype
         attention_mask = additive_mask(attention_mask, dtype)
 
-        size = (b, n, k, hidden)
-        # Shape: (B, N, K, 3H) -> (B, N, K, H)
-        fused = torch.cat(
-            [
-                self.condition_norm(condition)[:, :, None].expand(size),
-                self.token_norm(token_embedding)[:, :, None].expand(size),
-                self.query_norm(self.slot_queries)[None, None].expand(size),
-            ],
-            dim=-1,
+        # fuse(concat[c, t, q]) is the sum of three H -> H maps; the condition and the token are per block and
+        # the slot query per slot, so they are mapped on N and K rows and broadcast, not on N·K rows of 3H.
+        # Shape: (H, H) each
+        w_condition, w_token, w_query = self.fuse.weight.split(hidden, dim=1)
+        # Shape: (B, N, H) + (B, N, H) -> (B, N, 1, H); (K, H); sum (B, N, K, H)
+        per_block = F.linear(self.condition_norm(condition).to(dtype), w_condition) + F.linear(
+            self.token_norm(token_embedding).to(dtype), w_token
         )
-        hidden_states = self.fuse(fused.to(dtype))
+        per_slot = F.linear(self.query_norm(self.slot_queries).to(dtype), w_query)
+        hidden_states = per_block[:, :, None] + per_slot
         # Shape: (B, N·K) slot positions s + 1 + k; cos, sin (B, N·K, D)
         slot_positions = (position_ids[..., None] + 1 + torch.arange(k, device=position_ids.device)).flatten(1)
         position_embeddings = self.rotary_emb(hidden_states, slot_positions)
