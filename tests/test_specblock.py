@@ -517,6 +517,28 @@ def test_head_gradient_from_valid_slots_equals_the_full_heads(dirs, draft_vocab_
             assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("launch", "max_anchors"), [("teacher", None), ("draft", 5)])
+def test_chunked_launches_equal_one_forward(dirs, launch, max_anchors):
+    """Launching in chunks of anchors, each over the keys its anchors can see, gives the losses and gradients of
+    one forward over all keys."""
+    module, batch = training_module(dirs, launch=launch, max_anchors=max_anchors, launch_chunks=1)
+    batch = with_features(batch, module.target, module.topk)
+    params = [p for p in module.drafter.parameters() if p.requires_grad]
+    outs = []
+    for chunks in (1, 3):
+        module.launch_chunks = chunks
+        results = module.unroll(batch)
+        loss = module.losses(results)["loss"]
+        outs.append((loss, [r.valid for r in results], torch.autograd.grad(loss, params, allow_unused=True)))
+    (loss_1, valid_1, grads_1), (loss_3, valid_3, grads_3) = outs
+    assert torch.allclose(loss_1, loss_3, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(valid_1, valid_3, strict=True))
+    for a, b in zip(grads_1, grads_3, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+
+
 def test_short_fit_learns_and_exports(dirs, tmp_path):
     module = SpecBlockTraining(
         target=str(dirs / "target"),

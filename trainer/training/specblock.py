@@ -42,6 +42,7 @@ Recipe ``recipes/specblock_tiny.yaml`` trains on the shipped tiny target; on CPU
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -181,6 +182,8 @@ class SpecBlockTraining(FrozenTargetTraining):
         rank_class_budget: per (block, slot) class weight ``min(1, budget / count)``; 0 turns it off.
         rank_chain: train the rank head up to its first misprediction in a block, else on the valid slots.
         max_anchors: positions per row that launch the unrolled blocks; ``null``: every position.
+        launch_chunks: forwards per launched level, over consecutive anchors, each attending only to the keys its
+            anchors can see (the same values as one forward, for less attention work).
         target_layer_ids: target layers read; default EAGLE-3's ``[1, L//2 - 1, L - 4]``.
         intermediate_size: drafter MLP width; default the target's.
         rank_hidden_size: hidden width of the rank head's MLP.
@@ -206,6 +209,7 @@ class SpecBlockTraining(FrozenTargetTraining):
         rank_class_budget: int = 10,
         rank_chain: bool = True,
         max_anchors: int | None = None,
+        launch_chunks: int = 8,
         target_layer_ids: list[int] | None = None,
         intermediate_size: int | None = None,
         rank_hidden_size: int = 256,
@@ -221,6 +225,8 @@ class SpecBlockTraining(FrozenTargetTraining):
             raise UserError(f"model.rank_smoothing must be 'asymmetric' or a float in [0, 1), got {rank_smoothing!r}")
         if max_anchors is not None and max_anchors < 1:
             raise UserError(f"model.max_anchors must be at least 1 or null (every position), got {max_anchors}")
+        if launch_chunks < 1:
+            raise UserError(f"model.launch_chunks must be at least 1, got {launch_chunks}")
         if rank_class_budget < 0:
             raise UserError(
                 f"model.rank_class_budget must be >= 0 (0 turns class balancing off), got {rank_class_budget}"
@@ -239,6 +245,7 @@ class SpecBlockTraining(FrozenTargetTraining):
         self.rank_class_budget = rank_class_budget
         self.rank_chain = rank_chain
         self.max_anchors = max_anchors
+        self.launch_chunks = launch_chunks
         self.target_layer_ids = target_layer_ids
         self.intermediate_size = intermediate_size
         self.rank_hidden_size = rank_hidden_size
@@ -362,6 +369,61 @@ class SpecBlockTraining(FrozenTargetTraining):
             rank_target=rank_target,
         )
 
+    def _launch(
+        self,
+        condition: torch.Tensor,
+        token_embedding: torch.Tensor,
+        position_ids: torch.Tensor,
+        visible: torch.Tensor,
+        anchors: torch.Tensor,
+        cache: DynamicCache,
+        context_keys: int,
+    ) -> torch.Tensor:
+        """One launched block per anchor, in ``launch_chunks`` forwards over consecutive anchors; the blocks'
+        keys are appended to ``cache`` in anchor order, as one forward would. Shapes: condition, token_embedding
+        (B, A, H), position_ids (B, A), visible (B, A, P) the cached keys each block sees, anchors (B, A) their
+        rows, ``context_keys`` the T·K keys of the context blocks at the head of the cache → (B, A, K, H).
+
+        A block sees only context keys of rows up to its anchor, and of each earlier launched block only its own
+        chain's. A chunk of anchors therefore attends to the context keys up to its last anchor and to the
+        chunk's columns of each launched block: the same attention (the dropped keys were masked for every
+        query of the chunk) over a fraction of the keys; with every position launching, 8 chunks cut the
+        launched blocks' attention to about a third."""
+        drafter = self.drafter
+        k = drafter.block_size
+        n, p = visible.shape[1:]
+        # The cache holds the T·K context keys, then one span of A·K keys per earlier launched level.
+        levels = (p - context_keys) // (n * k)
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        hidden, new_keys = [], [([], []) for _ in layers]
+        bounds = torch.linspace(0, n, min(self.launch_chunks, n) + 1).round().long().tolist()
+        for c0, c1 in itertools.pairwise(bounds):
+            if c1 == c0:
+                continue
+            upto = min((int(anchors[:, c0:c1].max()) + 1) * k, context_keys)
+            columns = torch.cat(
+                [torch.arange(upto)]
+                + [context_keys + level * n * k + torch.arange(c0 * k, c1 * k) for level in range(levels)]
+            ).to(visible.device)
+            chunk_cache = DynamicCache(config=drafter.config)
+            for index, (keys, values) in enumerate(layers):
+                chunk_cache.update(keys[:, :, columns], values[:, :, columns], index)
+            hidden.append(
+                drafter(
+                    condition[:, c0:c1],
+                    token_embedding[:, c0:c1],
+                    position_ids[:, c0:c1],
+                    launch_mask(visible[:, c0:c1][..., columns], k),
+                    chunk_cache,
+                )
+            )
+            for index, layer in enumerate(chunk_cache.layers):
+                new_keys[index][0].append(layer.keys[:, :, -(c1 - c0) * k :])
+                new_keys[index][1].append(layer.values[:, :, -(c1 - c0) * k :])
+        for index, (keys, values) in enumerate(new_keys):
+            cache.update(torch.cat(keys, dim=2), torch.cat(values, dim=2), index)
+        return torch.cat(hidden, dim=1)
+
     def unroll(self, batch: dict[str, torch.Tensor]) -> list[BlockResult]:
         """The context blocks of every position, then ``num_blocks - 1`` launched blocks per anchor."""
         batch = with_features(batch, self.target, self.topk)
@@ -425,12 +487,8 @@ class SpecBlockTraining(FrozenTargetTraining):
             visible = visible | torch.zeros_like(visible).scatter(2, prev_keys, slot <= j[..., None])
             condition = prev_hidden.gather(2, j[..., None, None].expand(-1, -1, 1, prev_hidden.shape[-1])).squeeze(2)
             cached = cache.get_seq_length(0)
-            hidden = drafter(
-                condition,
-                embed(token).to(dtype),
-                pick(positions) + (start - a),
-                launch_mask(visible, k),
-                cache,
+            hidden = self._launch(
+                condition, embed(token).to(dtype), pick(positions) + (start - a), visible, a, cache, t * k
             )
             result = self._score(batch, hidden, start, a, anchor_ok, prefix_ok)
             results.append(result)
