@@ -22,8 +22,8 @@ from trainer.drafters.specblock import (
     token_rank,
 )
 from trainer.errors import UserError
-from trainer.training.specblock import (
-    SpecBlockTraining,
+from trainer.training.specblock import SpecBlockTraining
+from trainer.training.specblock_losses import (
     asymmetric_ordinal_targets,
     choose_launch_slots,
     class_balance_weights,
