@@ -251,6 +251,23 @@ def test_plan_learns_from_realised_outcomes():
     assert plan(rates, 3.0, arms, stats, config)[0] == SKIP
 
 
+def test_exploration_spends_at_most_its_budget():
+    """An update worth it only under the optimistic bound runs while its cost fits the exploration budget; one
+    whose plain estimate pays runs whatever the budget."""
+    config = BanditConfig(horizon_requests=10, swap_seconds=0.0)
+    arms = (Arm("a", "full", 4, 1e-3),)
+    stats = {"a": ArmStats.fresh(config)}
+    stats["a"].measured(6.0)
+    rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
+    # Headroom 1: optimistic recovery 1.0 gains 200 tokens, the plain prior 0.5 gains 100; the update costs 120.
+    choice, (estimate,) = plan(rates, 3.0, arms, stats, config, explore_left=119.0)
+    assert estimate.mean_gain == pytest.approx(100.0) and estimate.exploring and choice == SKIP
+    assert plan(rates, 3.0, arms, stats, config, explore_left=121.0)[0] == "a"
+    stats["a"].measured(2.0)  # cost (6 + 2) / 2 = 4 s: 80 tokens, below the plain gain: exploitation
+    choice, (estimate,) = plan(rates, 3.0, arms, stats, config, explore_left=0.0)
+    assert not estimate.exploring and choice == "a"
+
+
 def test_rollback_and_collapse_rules():
     config = BanditConfig(rollback_margin=0.1, collapse_ratio=0.5, collapse_tau=1.0)
     assert rolled_back(3.0, 2.85, config) and not rolled_back(3.0, 2.95, config)

@@ -19,6 +19,11 @@ logged contexts gives its τ against the served drafter's on the same contexts; 
 correction learnt from realised outcomes (live τ after publishing vs. the shadow estimate) scales it. Both
 learnt factors are used optimistically (upper confidence bound), so an arm that was never tried is tried
 when the headroom is large enough, and one that disappoints is tried less.
+
+Exploration is bounded: an update whose expected net gain is positive only under the optimistic bound (not
+under the plain estimate) is exploration, and exploration may spend at most ``explore_share`` of the tokens
+served so far (its cost in served tokens forgone); beyond that the bandit skips until its estimates, or the
+served total, say otherwise.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class BanditConfig:
     swap_seconds: float = 0.05
     buffer_requests: int = 64
     holdout_every: int = 4
+    explore_share: float = 0.05
 
 
 @dataclass
@@ -195,20 +201,34 @@ def cost_tokens(rates: Rates, seconds: float) -> float:
 
 @dataclass(frozen=True)
 class ArmEstimate:
+    """Served tokens over the horizon: ``gain`` from the optimistic recovery, ``mean_gain`` from the plain one."""
+
     arm: str
     tau_gain: float
     gain: float
+    mean_gain: float
     cost: float
 
     @property
     def net(self) -> float:
         return self.gain - self.cost
 
+    @property
+    def exploring(self) -> bool:
+        """Worth it only under the optimistic bound."""
+        return self.mean_gain - self.cost <= 0
+
 
 def plan(
-    rates: Rates, tau_ref: float, arms: tuple[Arm, ...], stats: dict[str, ArmStats], config: BanditConfig
+    rates: Rates,
+    tau_ref: float,
+    arms: tuple[Arm, ...],
+    stats: dict[str, ArmStats],
+    config: BanditConfig,
+    explore_left: float = math.inf,
 ) -> tuple[str, list[ArmEstimate]]:
-    """The arm with the largest expected net gain, or ``SKIP`` when none is positive, and every arm's estimate.
+    """The arm with the largest expected net gain, or ``SKIP`` when none is positive or the best one is
+    exploration costing more than ``explore_left`` served tokens, and every arm's estimate.
 
     Expected τ gain of an arm = its optimistic recovery fraction × headroom ``max(0, tau_ref - τ)``.
     """
@@ -217,10 +237,14 @@ def plan(
     for arm in arms:
         s = stats[arm.name]
         tau_gain = max(0.0, s.recovery.upper(config.ucb)) * headroom
+        mean_gain = gain_tokens(rates, rates.tau + max(0.0, s.recovery.estimate) * headroom, config)
         cost = cost_tokens(rates, s.cost_seconds(arm, config) + config.swap_seconds)
-        estimates.append(ArmEstimate(arm.name, tau_gain, gain_tokens(rates, rates.tau + tau_gain, config), cost))
+        gain = gain_tokens(rates, rates.tau + tau_gain, config)
+        estimates.append(ArmEstimate(arm.name, tau_gain, gain, mean_gain, cost))
     best = max(estimates, key=lambda e: e.net, default=None)
-    return (best.arm if best is not None and best.net > 0 else SKIP), estimates
+    if best is None or best.net <= 0 or (best.exploring and best.cost > explore_left):
+        return SKIP, estimates
+    return best.arm, estimates
 
 
 def shadow_tau(rates: Rates, served: float, candidate: float, correction: float) -> float:

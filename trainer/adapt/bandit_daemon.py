@@ -49,6 +49,7 @@ from trainer.adapt.bandit import (
     Running,
     acceptance,
     collapsed,
+    cost_tokens,
     expected_accepted,
     plan,
     rolled_back,
@@ -193,6 +194,8 @@ class BanditDaemon:
             "pending_steps": {},
             "requests": 0,
             "serving_seconds": 0.0,
+            "served_tokens": 0,
+            "explore_tokens": 0.0,
             "decisions": 0,
             "updates": 0,
             "rollbacks": 0,
@@ -207,6 +210,9 @@ class BanditDaemon:
             state = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise StateError(f"cannot read the bandit state {path}: {e}; move it away to start afresh") from e
+        # States written before exploration was budgeted start counting now.
+        state.setdefault("served_tokens", 0)
+        state.setdefault("explore_tokens", 0.0)
         current = read_current(self.publish_dir)
         if current is not None and current[0] != state["version"]:
             # Published after the last commit: adopt the version with the decision its manifest carries.
@@ -263,6 +269,7 @@ class BanditDaemon:
                     live[key] = self._live(key)
                 live[key].add(step_tokens(record), step_seconds(record))
                 self.state["serving_seconds"] += step_seconds(record)
+                self.state["served_tokens"] += step_tokens(record)
                 pending.setdefault(record["request"], []).append(record)
                 while len(pending) > PENDING_REQUESTS:
                     pending.pop(next(iter(pending)))
@@ -346,7 +353,9 @@ class BanditDaemon:
         rates = self.rates()
         version = self.state["version"]
         stats = {name: _stats(obj) for name, obj in self.state["arms"].items()}
-        arm_name, estimates = plan(rates, self.state["ref"][str(version)], self.arms, stats, self.config)
+        explore_left = self.config.explore_share * self.state["served_tokens"] - self.state["explore_tokens"]
+        ref = self.state["ref"][str(version)]
+        arm_name, estimates = plan(rates, ref, self.arms, stats, self.config, explore_left)
         replay = Replay.from_json(self.state["replay"])
         if not any(r["steps"] for r in replay.holdout) or not replay.train:
             # A candidate could be neither trained nor judged: spending the update would buy nothing.
@@ -355,7 +364,8 @@ class BanditDaemon:
         entry = {"event": "decision", "decision": self.state["decisions"], "version": version, "tau": rates.tau}
         entry |= {"tau_ref": self.state["ref"][str(version)], "step_seconds": rates.step_seconds}
         entry |= {"request_rate": rates.request_rate, "horizon_s": rates.horizon_seconds(self.config)}
-        entry |= {"estimates": [asdict(e) | {"net": e.net} for e in estimates], "arm": arm_name}
+        entry |= {"estimates": [asdict(e) | {"net": e.net, "exploring": e.exploring} for e in estimates]}
+        entry |= {"arm": arm_name, "explore_left": explore_left}
         entry["holdout_requests"] = sum(1 for r in replay.holdout if r["steps"])
         if arm_name == SKIP:
             self._log(entry)
@@ -377,6 +387,8 @@ class BanditDaemon:
                 f"{type(e).__name__}: {e}",
             )
         seconds = time.perf_counter() - started
+        if next(e for e in estimates if e.arm == arm_name).exploring:
+            self.state["explore_tokens"] += cost_tokens(rates, seconds)
         stats[arm_name].measured(seconds)
         stats[arm_name].tried += 1
         self.state["arms"][arm_name] = _stats_json(stats[arm_name])

@@ -42,6 +42,7 @@ Recipe ``recipes/specblock_tiny.yaml`` trains on the shipped tiny target; on CPU
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any, Literal
 
 import torch
@@ -172,32 +173,21 @@ class SpecBlockTraining(FrozenTargetTraining):
 
     # ---- the loss -----------------------------------------------------------------------------------------
     @property
-    def options(self) -> SpecBlockOptions:
+    def loss_options(self) -> SpecBlockOptions:
         """The loss options, read from the module's attributes at each call."""
-        return SpecBlockOptions(
-            num_blocks=self.num_blocks,
-            launch=self.launch,
-            validity=self.validity,
-            slot_decay=self.slot_decay,
-            rank_smoothing=self.rank_smoothing,
-            rank_distance_weight=self.rank_distance_weight,
-            rank_class_budget=self.rank_class_budget,
-            rank_chain=self.rank_chain,
-            max_anchors=self.max_anchors,
-            seed=self.seed,
-        )
+        return SpecBlockOptions(**{f.name: getattr(self, f.name) for f in fields(SpecBlockOptions)})
 
     def unroll(self, batch: dict[str, torch.Tensor]) -> list[BlockResult]:
         step = self.global_step if self.training else None
         return specblock_unroll(
-            self.drafter, self.target, with_features(batch, self.target, self.topk), self.options, step
+            self.drafter, self.target, with_features(batch, self.target, self.topk), self.loss_options, step
         )
 
     def rank_loss(self, r: BlockResult) -> torch.Tensor:
-        return rank_loss(r, self.options, self.drafter.block_size)
+        return rank_loss(r, self.loss_options, self.drafter.block_size)
 
     def losses(self, results: list[BlockResult]) -> dict[str, torch.Tensor]:
-        return specblock_losses(results, self.options, self.drafter.block_size)
+        return specblock_losses(results, self.loss_options, self.drafter.block_size)
 
     def training_step(self, batch, batch_idx):
         out = self.losses(self.unroll(batch))
