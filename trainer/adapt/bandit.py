@@ -13,12 +13,13 @@ Pure: no files, no models (the daemon, trainer/adapt/bandit_daemon.py, measures 
   plus the swap, times ``θ``: the tokens the server would have served meanwhile.
 
 Before an update is paid for, its τ gain is predicted as a learned fraction of the *headroom*
-``max(0, τ_ref - τ)``, where ``τ_ref`` is the served version's live τ right after it went live: drift shows
-as τ falling below it. After a candidate is trained, a shadow evaluation (``expected_accepted``) on held-back
-logged contexts gives its τ against the served drafter's on the same contexts; a per-arm multiplicative
-correction learnt from realised outcomes (live τ after publishing vs. the shadow estimate) scales it. Both
-learnt factors are used optimistically (upper confidence bound), so an arm that was never tried is tried
-when the headroom is large enough, and one that disappoints is tried less.
+``max(0, τ_ref - τ)``, where ``τ_ref`` is the served version's live τ right after it went live, or its parent's
+reference when an update published it and that is higher: drift shows as τ falling below it, and the headroom
+stays measured from before the drift until updates recover it. After a candidate is trained, a shadow evaluation
+(``expected_accepted``) on held-back logged contexts gives its τ against the served drafter's on the same
+contexts; a per-arm multiplicative correction learnt from realised outcomes (live τ after publishing vs. the
+shadow estimate) scales it. Both learnt factors are used optimistically (upper confidence bound), so an arm that
+was never tried is tried when the headroom is large enough, and one that disappoints is tried less.
 
 Exploration is bounded: an update whose expected net gain is positive only under the optimistic bound (not
 under the plain estimate) is exploration, and exploration may spend at most ``explore_share`` of the tokens

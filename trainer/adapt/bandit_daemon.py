@@ -303,7 +303,11 @@ class BanditDaemon:
         live = self._live(version)
         if not live.full or self.state["requests"] == 0:
             return
-        self.state["ref"].setdefault(str(version), live.tau)
+        if str(version) not in self.state["ref"]:
+            # An update's version inherits its parent's reference: the headroom stays measured from the τ before
+            # the drift until updates recover it (or the learnt recovery says they cannot).
+            parent = self.state["ref"].get(str(self.state["previous"]), 0.0) if self.state["pending"] else 0.0
+            self.state["ref"][str(version)] = max(live.tau, parent)
         best = max(self.state["ref"].values())
         if collapsed(live.tau, best, self.config):
             self._raise_alarm(live.tau, best)
