@@ -323,6 +323,28 @@ def test_rollback_when_the_new_version_is_worse(tmp_path):
     assert restarted.state["arms"]["full-1"]["recovery"]["mean"] == pytest.approx(-1.0)
 
 
+def test_an_updates_version_inherits_the_reference_tau(tmp_path):
+    """The headroom of a version an update published stays measured from its parent's reference τ."""
+    (tmp_path / "logs").mkdir()
+    daemon = _daemon(tmp_path)
+    daemon.state["ref"]["1"] = 4.5
+    daemon.commit()
+    pending = {"decision": 1, "arm": "full-1", "tau_before": 3.5, "headroom": 1.0, "tau_new": 4.2, "shadow_gain": 0.5}
+    v2 = publish(
+        tmp_path / "pub", daemon.drafter.save_pretrained, {"kind": "drafter", "parent": 1, "decision": pending}
+    )
+    daemon.close()
+    _write_log(tmp_path / "logs", "seg-000001-1000", v2, accepted=[3])  # τ 4
+    restarted = _daemon(tmp_path)
+    restarted.read()
+    restarted.decide()
+    assert restarted.state["ref"][str(v2)] == pytest.approx(4.5)  # not its own 4
+    (outcome,) = _journal(tmp_path)
+    assert outcome["event"] == "outcome" and outcome["realised_gain"] == pytest.approx(0.5)
+    assert restarted.state["arms"]["full-1"]["recovery"]["mean"] == pytest.approx(0.5)
+    restarted.close()
+
+
 def test_alarm_on_a_zeroed_drafter_and_on_collapsed_tau(tmp_path):
     (tmp_path / "logs").mkdir()
     daemon = _daemon(tmp_path)

@@ -406,7 +406,7 @@ class BanditDaemon:
             pending = {"decision": self.state["decisions"], "arm": arm_name, "tau_before": rates.tau}
             pending |= {"headroom": max(0.0, self.state["ref"][str(version)] - rates.tau), "tau_new": tau_new}
             pending["shadow_gain"] = cand_shadow - served_shadow
-            manifest = {"kind": "drafter", "parent_version": version, "decision": pending}
+            manifest = {"kind": "drafter", "parent": version, "decision": pending}
             new = publish(self.publish_dir, candidate.save_pretrained, manifest, keep=self.keep)
             entry["published"] = new
             self.state["previous"], self.state["version"], self.state["pending"] = version, new, pending
