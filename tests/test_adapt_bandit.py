@@ -215,6 +215,9 @@ def test_shadow_acceptance_and_expected_tokens_known_answers():
     elsewhere = torch.full((1, 6), -1e9)
     elsewhere[0, 0] = 0.0
     assert float(acceptance(elsewhere, ids, logprobs)) == pytest.approx(0.0, abs=1e-6)
+    # Greedy decoding accepts exactly when the drafter's argmax is the target's top-1.
+    assert float(acceptance(same, ids, logprobs, greedy=True)) == 1.0
+    assert float(acceptance(elsewhere, ids, logprobs, greedy=True)) == 0.0
     alpha = torch.tensor([[0.5, 0.5, 0.5], [1.0, 1.0, 1.0]])
     # 1 + 0.5 + 0.25 (cut at depth 2); 1 + 1 + 1 + 1
     torch.testing.assert_close(expected_accepted(alpha, torch.tensor([2, 3])), torch.tensor([1.75, 4.0]))

@@ -72,6 +72,8 @@ class BanditConfig:
     buffer_requests: int = 64
     holdout_every: int = 4
     explore_share: float = 0.05
+    # How the server decodes, so how shadow evaluation scores acceptance: "sampled" or "greedy".
+    shadow_acceptance: str = "sampled"
 
 
 @dataclass
@@ -270,13 +272,18 @@ def collapsed(tau: float, best: float, config: BanditConfig) -> bool:
     return tau <= config.collapse_tau or tau < config.collapse_ratio * best
 
 
-def acceptance(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
+def acceptance(
+    draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, greedy: bool = False
+) -> torch.Tensor:
     """Per-depth acceptance probability of a drafter's distribution against the logged target top-k:
     ``Σ_x min(p(x), q(x))`` over the target's top-k tokens (a lower bound of the sampling acceptance rate;
-    the mass outside the logged top-k is left out for every drafter alike).
+    the mass outside the logged top-k is left out for every drafter alike); under ``greedy`` decoding, whether
+    the drafter's argmax is the target's (the logged top-1).
 
     Shape: draft_logits (..., V), topk_ids / topk_logprobs (..., k) → (...)
     """
+    if greedy:
+        return (draft_logits.argmax(-1) == topk_ids[..., 0]).float()
     q = draft_logits.float().softmax(-1).gather(-1, topk_ids)
     return torch.minimum(q, topk_logprobs.float().exp()).sum(-1)
 

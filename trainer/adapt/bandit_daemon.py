@@ -135,6 +135,8 @@ class BanditDaemon:
         seed: int = 0,
         console: Console | None = None,
     ) -> None:
+        if config.shadow_acceptance not in ("sampled", "greedy"):
+            raise UserError(f"--shadow-acceptance must be 'sampled' or 'greedy', got {config.shadow_acceptance!r}")
         if not Path(logs).is_dir():
             raise UserError(f"--logs {logs} is not a directory (a server or `trainer eval --logs` writes one)")
         self.logs, self.publish_dir, self.state_dir = Path(logs), Path(publish_dir), Path(state_dir)
@@ -483,7 +485,8 @@ class BanditDaemon:
                 d = depths[c]
                 ids[c, :d] = torch.tensor(s["topk_ids"][:d])
                 logprobs[c, :d] = torch.tensor(s["topk_logprobs"][:d])
-            totals.append(expected_accepted(acceptance(logits, ids, logprobs), depths))
+            alpha = acceptance(logits, ids, logprobs, greedy=self.config.shadow_acceptance == "greedy")
+            totals.append(expected_accepted(alpha, depths))
         if not totals:
             return math.nan
         return float(torch.cat(totals).mean())
