@@ -98,7 +98,7 @@ def run_policy(name: str, stream, args, target, drafter_dir: Path, step_cost: fl
     """Serve the stream under one policy; returns tokens, simulated seconds, τ per request, updates."""
     root = Path(args.out) / name
     logs, publish_dir = root / "logs", root / "drafters"
-    config = BanditConfig(horizon_requests=args.horizon, window_steps=args.window)
+    config = BanditConfig(horizon_requests=args.horizon, window_steps=args.window, shadow_acceptance="greedy")
     logs.mkdir(parents=True, exist_ok=True)
     daemon = BanditDaemon(logs, drafter_dir, publish_dir, root / "state", TARGET, config)
     server = Server(target, logs, publish_dir, args.new_tokens, args.budget)
@@ -198,7 +198,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=40)
     p.add_argument("--budget", type=int, default=8)
     p.add_argument("--horizon", type=float, default=48.0, help="bandit horizon in requests")
-    p.add_argument("--window", type=int, default=48, help="live window in steps")
+    p.add_argument("--window", type=int, default=96, help="live window in steps")
     p.add_argument("--greedy-drop", type=float, default=0.1, help="greedy rule: update when τ drops this much")
     p.add_argument("--every", default="4,12", help="the two fixed schedules, in requests")
     p.add_argument("--policies", default=None, help="comma-separated subset (default: all)")
