@@ -202,6 +202,9 @@ def main() -> None:
     p.add_argument("--greedy-drop", type=float, default=0.1, help="greedy rule: update when τ drops this much")
     p.add_argument("--every", default="4,12", help="the two fixed schedules, in requests")
     p.add_argument("--policies", default=None, help="comma-separated subset (default: all)")
+    p.add_argument("--step-cost", type=float, default=None, help="seconds per step instead of calibrating")
+    reuse = "results.json of runs of other policies (`--policies none` runs nothing): shown too, their step cost used"
+    p.add_argument("--reuse", type=Path, nargs="*", default=[], help=reuse)
     args = p.parse_args()
     torch.manual_seed(0)
     out = Path(args.out)
@@ -211,22 +214,24 @@ def main() -> None:
     drafter_dir = project_path(DRAFTER)
     stream, heldout = prompt_stream(tokenizer, args.before, args.after, args.heldout, args.prompt_tokens, args.shift)
 
-    # Calibration: the median verification-step seconds of this machine, charged to every policy alike.
-    calib = Server(target, out / "calibration" / "logs", out / "calibration" / "drafters", args.new_tokens, args.budget)
-    (out / "calibration" / "logs").mkdir(parents=True, exist_ok=True)
-    if read_current(out / "calibration" / "drafters") is None:
-        publish(out / "calibration" / "drafters", load_drafter(drafter_dir).save_pretrained, {"kind": "drafter"})
-    measured = [s for i, (_, prompt) in enumerate(stream[:4]) for s in calib.serve(i, prompt)[2]]
-    calib.writer.close()
-    step_cost = statistics.median(measured)
-    print(f"step cost {step_cost * 1000:.1f} ms (median of {len(measured)} measured steps)")
+    reused = {"results": {}, "oracle": None, "step_cost": args.step_cost}
+    for path in args.reuse:
+        run = json.loads(path.read_text())
+        if reused["step_cost"] not in (None, run["step_cost"]):
+            raise SystemExit(f"{path} charged {run['step_cost']} s per step, not {reused['step_cost']}")
+        reused = {"results": {**reused["results"], **run["results"]}, "oracle": run["oracle"] or reused["oracle"],
+                  "step_cost": run["step_cost"]}  # fmt: skip
+    step_cost = reused["step_cost"]
+    if step_cost is None:
+        step_cost = calibrate(stream, args, target, drafter_dir)
+    print(f"step cost {step_cost * 1000:.1f} ms")
 
     every = [int(x) for x in args.every.split(",")]
     names = ["never", *[f"every-{n}" for n in every], "greedy", "bandit"]
     if args.policies:
         names = [n for n in names if n in args.policies.split(",")]
     full = next(a for a in DEFAULT_ARMS if a.params == "full")
-    results, oracle = {}, None
+    results, oracle = {}, reused["oracle"]
     for name in names:
         started = time.perf_counter()
         results[name] = run_policy(name, stream, args, target, drafter_dir, step_cost)
@@ -240,7 +245,19 @@ def main() -> None:
                   f"update ({oracle['seconds']:.1f} s)", flush=True)  # fmt: skip
         summary = {"step_cost": step_cost, "shift": args.shift, "oracle": oracle, "results": results}
         (out / "results.json").write_text(json.dumps(summary, indent=1))
-    report(results, out, args.shift)
+    report({**reused["results"], **results}, out, args.shift)
+
+
+def calibrate(stream, args, target, drafter_dir: Path) -> float:
+    """The median verification-step seconds of this machine, charged to every policy alike."""
+    out = Path(args.out)
+    calib = Server(target, out / "calibration" / "logs", out / "calibration" / "drafters", args.new_tokens, args.budget)
+    (out / "calibration" / "logs").mkdir(parents=True, exist_ok=True)
+    if read_current(out / "calibration" / "drafters") is None:
+        publish(out / "calibration" / "drafters", load_drafter(drafter_dir).save_pretrained, {"kind": "drafter"})
+    measured = [s for i, (_, prompt) in enumerate(stream[:4]) for s in calib.serve(i, prompt)[2]]
+    calib.writer.close()
+    return statistics.median(measured)
 
 
 def report(results: dict, out: Path, shift: str) -> None:
