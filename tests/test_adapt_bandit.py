@@ -28,6 +28,7 @@ from trainer.adapt.bandit import (
     expected_accepted,
     gain_tokens,
     plan,
+    pooled_priors,
     rolled_back,
     step_seconds,
     step_tokens,
@@ -252,6 +253,22 @@ def test_plan_learns_from_realised_outcomes():
     for realised in (-0.1, 0.0, 0.0, -0.1):
         stats["b"].recovery.add(realised)
     assert plan(rates, 3.0, arms, stats, config)[0] == SKIP
+
+
+def test_untried_arms_borrow_the_tried_arms_outcomes_and_costs():
+    config = BanditConfig(horizon_requests=10, swap_seconds=0.0, prior_recovery=0.5)
+    arms = (Arm("a", "approx", 4, 1e-3), Arm("b", "full", 8, 1e-3))
+    stats = {"a": ArmStats.fresh(config), "b": ArmStats.fresh(config)}
+    assert pooled_priors(arms, stats, config) == (0.5, config.prior_seconds_per_step)
+    stats["a"].measured(8.0)
+    stats["a"].recovery.add(-0.1)
+    stats["a"].recovery.add(0.1)
+    # (prior 0.5 + 0 over two outcomes) / 3; 8 s over 4 steps.
+    assert pooled_priors(arms, stats, config) == (pytest.approx(0.5 / 3), 2.0)
+    rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
+    _, (_, b) = plan(rates, 3.0, arms, stats, config)
+    # b: 8 steps at 2 s = 16 s, 320 tokens; its plain gain: 400 served tokens × (0.5 / 3) / 2.
+    assert b.cost == pytest.approx(320.0) and b.mean_gain == pytest.approx(400 * 0.5 / 3 / 2)
 
 
 def test_exploration_spends_at_most_its_budget():

@@ -21,7 +21,9 @@ contexts; a per-arm multiplicative correction learnt from realised outcomes (liv
 shadow estimate) scales it. Both learnt factors are used optimistically (upper confidence bound), so an arm that
 was never tried is tried when the headroom is large enough, and one that disappoints is tried less.
 
-Exploration is bounded: an update whose expected net gain is positive only under the optimistic bound (not
+An arm not yet tried starts from what the tried ones showed (their pooled recovery and measured seconds per
+step), so one arm's disappointment on a drift no update can fix makes the next arm an exploration, not a sure
+bet. Exploration is bounded: an update whose expected net gain is positive only under the optimistic bound (not
 under the plain estimate) is exploration, and exploration may spend at most ``explore_share`` of the tokens
 served so far (its cost in served tokens forgone); beyond that the bandit skips until its estimates, or the
 served total, say otherwise.
@@ -117,9 +119,6 @@ class ArmStats:
     @classmethod
     def fresh(cls, config: BanditConfig) -> ArmStats:
         return cls(Running(config.prior_recovery, 0.5), Running(1.0, 0.5))
-
-    def cost_seconds(self, arm: Arm, config: BanditConfig) -> float:
-        return self.seconds if self.seconds is not None else arm.steps * config.prior_seconds_per_step
 
     def measured(self, seconds: float) -> None:
         """Cost estimate: exponential average of the measured seconds (half weight on the newest)."""
@@ -224,6 +223,17 @@ class ArmEstimate:
         return self.mean_gain - self.cost <= 0
 
 
+def pooled_priors(arms: tuple[Arm, ...], stats: dict[str, ArmStats], config: BanditConfig) -> tuple[float, float]:
+    """What an arm not yet judged or measured borrows from the others: the recovery fraction the judged arms
+    realised, pooled with ``prior_recovery`` counted as one outcome, and their measured seconds per optimiser
+    step (``prior_seconds_per_step`` before any was measured)."""
+    judged = [stats[a.name].recovery for a in arms if stats[a.name].recovery.n]
+    outcomes = sum(r.n for r in judged)
+    recovery = (config.prior_recovery + sum(r.mean * r.n for r in judged)) / (1 + outcomes)
+    per_step = [stats[a.name].seconds / a.steps for a in arms if stats[a.name].seconds is not None]
+    return recovery, (sum(per_step) / len(per_step) if per_step else config.prior_seconds_per_step)
+
+
 def plan(
     rates: Rates,
     tau_ref: float,
@@ -235,15 +245,19 @@ def plan(
     """The arm with the largest expected net gain, or ``SKIP`` when none is positive or the best one is
     exploration costing more than ``explore_left`` served tokens, and every arm's estimate.
 
-    Expected τ gain of an arm = its optimistic recovery fraction × headroom ``max(0, tau_ref - τ)``.
+    Expected τ gain of an arm = its optimistic recovery fraction × headroom ``max(0, tau_ref - τ)``; an arm not
+    yet judged or measured starts from ``pooled_priors``.
     """
     headroom = max(0.0, tau_ref - rates.tau)
+    recovery_prior, seconds_per_step = pooled_priors(arms, stats, config)
     estimates = []
     for arm in arms:
         s = stats[arm.name]
-        tau_gain = max(0.0, s.recovery.upper(config.ucb)) * headroom
-        mean_gain = gain_tokens(rates, rates.tau + max(0.0, s.recovery.estimate) * headroom, config)
-        cost = cost_tokens(rates, s.cost_seconds(arm, config) + config.swap_seconds)
+        recovery = s.recovery if s.recovery.n else Running(recovery_prior, s.recovery.prior_sd)
+        tau_gain = max(0.0, recovery.upper(config.ucb)) * headroom
+        mean_gain = gain_tokens(rates, rates.tau + max(0.0, recovery.estimate) * headroom, config)
+        seconds = s.seconds if s.seconds is not None else arm.steps * seconds_per_step
+        cost = cost_tokens(rates, seconds + config.swap_seconds)
         gain = gain_tokens(rates, rates.tau + tau_gain, config)
         estimates.append(ArmEstimate(arm.name, tau_gain, gain, mean_gain, cost))
     best = max(estimates, key=lambda e: e.net, default=None)
