@@ -11,7 +11,8 @@ while the drafter's τ falls (1.87 vs 2.12 on six prompts each): the drafter lag
 update can pay. Before the policies run, an oracle check measures that: τ on held-out shifted prompts (never
 in the stream) before and after one update of the bandit's ``full`` arm on what never-update served after the
 shift. Every policy serves the same stream greedily, logging verifier records that the bandit daemon (and the
-fixed schedules' τ trigger) read.
+fixed schedules' τ trigger) read. The shifted windows are cut from the checkout's tests/, so runs compared with
+``--reuse`` must come from the same checkout.
 
 Simulated clock: a verification step costs the median step seconds measured here in a calibration pass (one
 figure for every policy, so timing noise on a shared machine does not decide the comparison); an update costs
