@@ -28,18 +28,35 @@ from trainer.adapt.bandit import (
     expected_accepted,
     gain_tokens,
     plan,
+    pooled_priors,
     rolled_back,
     step_seconds,
     step_tokens,
 )
 from trainer.adapt.bandit_daemon import ALARM_EXIT, BanditDaemon
 from trainer.adapt.publish import publish, read_current, read_manifest
+from trainer.data.features import with_features
+from trainer.training.block_losses import blocks_at, dflash_loss, treeflash_loss
 from trainer.training.dflash import DFlashTraining
-from trainer.training.step import BlockStepOptions, NonFiniteStep, context_batch, dflash_step, treeflash_step
+from trainer.training.eagle3 import Eagle3Training
+from trainer.training.eagle3_losses import eagle3_unroll
+from trainer.training.specblock import SpecBlockTraining
+from trainer.training.specblock_losses import SpecBlockOptions, specblock_unroll
+from trainer.training.step import (
+    BlockStepOptions,
+    Eagle3StepOptions,
+    NonFiniteStep,
+    SpecBlockStepOptions,
+    chain_depth,
+    chain_logits,
+    context_batch,
+    train_step,
+)
 from trainer.training.treeflash import TreeFlashTraining
 from trainer.vlog.schema import request_record, step_record
 
-DFLASH_TINY = ROOT / "checkpoints" / "dflash_tiny"
+CHECKPOINTS = ROOT / "checkpoints"
+DFLASH_TINY = CHECKPOINTS / "dflash_tiny"
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -48,18 +65,32 @@ def _batch() -> dict[str, torch.Tensor]:
     return context_batch(seqs, [10, 6], pad_id=0)
 
 
-@pytest.mark.parametrize("family", ["dflash", "treeflash"])
-def test_step_api_equals_one_lightning_training_step(family):
-    """Same batch, same (seed, step): the API's loss and updated weights equal the LightningModule's step."""
-    common = dict(target=str(TINY_TARGET), topk=8, max_anchors=4, gamma=4.0, seed=3)
+def _module_and_options(family: str):
+    """The family's LightningModule from a shipped checkpoint and the step options of its arguments."""
+    common = dict(target=str(TINY_TARGET), topk=8, seed=3)
     if family == "dflash":
-        module = DFlashTraining(init_from=str(DFLASH_TINY), loss="kl", **common)
-        options, step_fn = BlockStepOptions(topk=8, max_anchors=4, gamma=4.0, seed=3, loss="kl"), dflash_step
+        module = DFlashTraining(init_from=str(DFLASH_TINY), loss="kl", max_anchors=4, gamma=4.0, **common)
+        options = BlockStepOptions(topk=8, max_anchors=4, gamma=4.0, seed=3, loss="kl")
+    elif family == "treeflash":
+        module = TreeFlashTraining(backbone=str(DFLASH_TINY), freeze_backbone=False, max_anchors=4, gamma=4.0, **common)
+        options = BlockStepOptions(topk=8, max_anchors=4, gamma=4.0, seed=3)
+    elif family == "eagle3":
+        module = Eagle3Training(
+            str(TINY_TARGET), init_from=str(CHECKPOINTS / "eagle3_tiny"), ttt_steps=3, step_decay=0.7, topk=8
+        )
+        options = Eagle3StepOptions(topk=8, ttt_steps=3, step_decay=0.7)
     else:
-        module = TreeFlashTraining(backbone=str(DFLASH_TINY), freeze_backbone=False, **common)
-        options, step_fn = BlockStepOptions(topk=8, max_anchors=4, gamma=4.0, seed=3), treeflash_step
+        module = SpecBlockTraining(init_from=str(CHECKPOINTS / "specblock_tiny"), num_blocks=2, max_anchors=3, **common)
+        options = SpecBlockStepOptions(topk=8, loss=SpecBlockOptions(num_blocks=2, max_anchors=3, seed=3))
     module.configure_model()
     module.train()
+    return module, options
+
+
+@pytest.mark.parametrize("family", ["dflash", "treeflash", "eagle3", "specblock"])
+def test_step_api_equals_one_lightning_training_step(family):
+    """Same batch, same (seed, step): the API's loss and updated weights equal the LightningModule's step."""
+    module, options = _module_and_options(family)
     start = copy.deepcopy(module.drafter)
     api_drafter = copy.deepcopy(module.drafter)
     batch = _batch()
@@ -70,12 +101,60 @@ def test_step_api_equals_one_lightning_training_step(family):
     opt.step()
 
     params = [p for p in api_drafter.parameters() if p.requires_grad]
-    api_loss = step_fn(api_drafter, module.target, batch, torch.optim.SGD(params, lr=0.5), step=0, options=options)
+    api_loss = train_step(api_drafter, module.target, batch, torch.optim.SGD(params, lr=0.5), step=0, options=options)
     assert api_loss == pytest.approx(float(loss), rel=1e-6)
     for (name, a), b in zip(module.drafter.named_parameters(), api_drafter.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     # A step that moved nothing would make the comparison vacuous.
     assert any(not torch.equal(a, b) for a, b in zip(start.parameters(), api_drafter.parameters(), strict=True))
+    with pytest.raises(TypeError, match="takes"):
+        wrong = Eagle3StepOptions() if family != "eagle3" else BlockStepOptions()
+        train_step(api_drafter, module.target, batch, torch.optim.SGD(params, lr=0.5), step=0, options=wrong)
+
+
+@pytest.mark.parametrize("family", ["dflash", "treeflash", "eagle3", "specblock"])
+def test_chain_logits_are_the_losses_distributions_at_the_root(family):
+    """Depth d of the chain from root p is the distribution the family's loss trains to draft sequence[p + d]: the
+    shadow evaluation scores exactly what training moves. Checked against each family's loss inputs by hand."""
+    module, options = _module_and_options(family)
+    module.eval()
+    drafter, target = module.drafter, module.target
+    seq = _batch()["input_ids"][0].tolist()
+    roots = [5, 12, 20]
+    logits = chain_logits(drafter, target, seq, roots, options)
+    depth = chain_depth(drafter, options)
+    assert logits.shape == (3, depth, target.lm_head.out_features)
+    batch = with_features(context_batch([seq], [0], pad_id=0), target, options.topk)
+    with torch.no_grad():
+        if family == "eagle3":
+            outputs, steps = eagle3_unroll(drafter, target, batch, depth)
+            # Step i's label at origin p - 1 is x_{p+1+i}; its draft-vocabulary argmax maps to the same target id.
+            for i, (hidden, step) in enumerate(zip(outputs, steps, strict=True)):
+                assert step.labels[0, 4].item() == seq[5 + 1 + i]
+                own = drafter.to_target(drafter.logits(hidden[0, torch.tensor(roots) - 1]).argmax(-1))
+                assert torch.equal(logits[:, i].argmax(-1), own)
+            assert torch.isinf(logits).any()  # outside the draft vocabulary
+        elif family == "specblock":
+            results = specblock_unroll(drafter, target, batch, SpecBlockOptions(num_blocks=1), None)
+            r = results[0]
+            rows = torch.tensor(roots) - drafter.token_shift
+            assert torch.equal(r.start[0, rows], torch.tensor(roots))
+            direct = drafter.logits(drafter.norm(r.hidden[0, rows]), target.lm_head)
+            assert torch.equal(logits.argmax(-1), drafter.to_target(direct.argmax(-1)))
+        else:
+            anchors = torch.tensor([roots])
+            blocks = blocks_at(drafter.model if family == "treeflash" else drafter, batch, anchors, anchors >= 0)
+            assert torch.equal(
+                blocks.labels[0, :, 1:], torch.tensor([[seq[p + d] for d in range(1, depth + 1)] for p in roots])
+            )
+            weights = torch.ones(depth + 1)
+            if family == "treeflash":
+                expected = treeflash_loss(drafter, target, batch, blocks, weights)[2]
+            else:
+                expected = dflash_loss(drafter, target, batch, blocks, weights, "kl")[1]
+            torch.testing.assert_close(logits, expected[0, :, 1:])
+    with pytest.raises(ValueError, match="root at position 0"):
+        chain_logits(drafter, target, seq, [0], options)
 
 
 def test_step_api_subset_and_non_finite_leave_weights():
@@ -85,7 +164,7 @@ def test_step_api_subset_and_non_finite_leave_weights():
     drafter.model.requires_grad_(True)
     before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
     opt = torch.optim.SGD(drafter.ar_approximation.parameters(), lr=0.5)
-    treeflash_step(drafter, module.target, _batch(), opt, step=0, options=BlockStepOptions(topk=8, max_anchors=4))
+    train_step(drafter, module.target, _batch(), opt, step=0, options=BlockStepOptions(topk=8, max_anchors=4))
     changed = {n for n, p in drafter.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all(n.startswith("ar_approximation.") for n in changed), changed
     assert all(p.requires_grad for p in drafter.model.parameters())  # the subset's freezing is undone
@@ -93,7 +172,7 @@ def test_step_api_subset_and_non_finite_leave_weights():
         next(drafter.ar_approximation.parameters()).fill_(float("nan"))
     snapshot = {n: p.detach().clone() for n, p in drafter.named_parameters()}
     with pytest.raises(NonFiniteStep):
-        treeflash_step(drafter, module.target, _batch(), opt, step=1, options=BlockStepOptions(topk=8, max_anchors=4))
+        train_step(drafter, module.target, _batch(), opt, step=1, options=BlockStepOptions(topk=8, max_anchors=4))
     for n, p in drafter.named_parameters():
         torch.testing.assert_close(p, snapshot[n], equal_nan=True)
 
@@ -137,6 +216,9 @@ def test_shadow_acceptance_and_expected_tokens_known_answers():
     elsewhere = torch.full((1, 6), -1e9)
     elsewhere[0, 0] = 0.0
     assert float(acceptance(elsewhere, ids, logprobs)) == pytest.approx(0.0, abs=1e-6)
+    # Greedy decoding accepts exactly when the drafter's argmax is the target's top-1.
+    assert float(acceptance(same, ids, logprobs, greedy=True)) == 1.0
+    assert float(acceptance(elsewhere, ids, logprobs, greedy=True)) == 0.0
     alpha = torch.tensor([[0.5, 0.5, 0.5], [1.0, 1.0, 1.0]])
     # 1 + 0.5 + 0.25 (cut at depth 2); 1 + 1 + 1 + 1
     torch.testing.assert_close(expected_accepted(alpha, torch.tensor([2, 3])), torch.tensor([1.75, 4.0]))
@@ -171,6 +253,39 @@ def test_plan_learns_from_realised_outcomes():
     for realised in (-0.1, 0.0, 0.0, -0.1):
         stats["b"].recovery.add(realised)
     assert plan(rates, 3.0, arms, stats, config)[0] == SKIP
+
+
+def test_untried_arms_borrow_the_tried_arms_outcomes_and_costs():
+    config = BanditConfig(horizon_requests=10, swap_seconds=0.0, prior_recovery=0.5)
+    arms = (Arm("a", "approx", 4, 1e-3), Arm("b", "full", 8, 1e-3))
+    stats = {"a": ArmStats.fresh(config), "b": ArmStats.fresh(config)}
+    assert pooled_priors(arms, stats, config) == (0.5, config.prior_seconds_per_step)
+    stats["a"].measured(8.0)
+    stats["a"].recovery.add(-0.1)
+    stats["a"].recovery.add(0.1)
+    # (prior 0.5 + 0 over two outcomes) / 3; 8 s over 4 steps.
+    assert pooled_priors(arms, stats, config) == (pytest.approx(0.5 / 3), 2.0)
+    rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
+    _, (_, b) = plan(rates, 3.0, arms, stats, config)
+    # b: 8 steps at 2 s = 16 s, 320 tokens; its plain gain: 400 served tokens × (0.5 / 3) / 2.
+    assert b.cost == pytest.approx(320.0) and b.mean_gain == pytest.approx(400 * 0.5 / 3 / 2)
+
+
+def test_exploration_spends_at_most_its_budget():
+    """An update worth it only under the optimistic bound runs while its cost fits the exploration budget; one
+    whose plain estimate pays runs whatever the budget."""
+    config = BanditConfig(horizon_requests=10, swap_seconds=0.0)
+    arms = (Arm("a", "full", 4, 1e-3),)
+    stats = {"a": ArmStats.fresh(config)}
+    stats["a"].measured(6.0)
+    rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
+    # Headroom 1: optimistic recovery 1.0 gains 200 tokens, the plain prior 0.5 gains 100; the update costs 120.
+    choice, (estimate,) = plan(rates, 3.0, arms, stats, config, explore_left=119.0)
+    assert estimate.mean_gain == pytest.approx(100.0) and estimate.exploring and choice == SKIP
+    assert plan(rates, 3.0, arms, stats, config, explore_left=121.0)[0] == "a"
+    stats["a"].measured(2.0)  # cost (6 + 2) / 2 = 4 s: 80 tokens, below the plain gain: exploitation
+    choice, (estimate,) = plan(rates, 3.0, arms, stats, config, explore_left=0.0)
+    assert not estimate.exploring and choice == "a"
 
 
 def test_rollback_and_collapse_rules():
@@ -226,6 +341,28 @@ def test_rollback_when_the_new_version_is_worse(tmp_path):
     assert outcome["event"] == "outcome" and outcome["rolled_back_to"] == version
     assert outcome["realised_gain"] == pytest.approx(-1.0)
     assert restarted.state["arms"]["full-1"]["recovery"]["mean"] == pytest.approx(-1.0)
+
+
+def test_an_updates_version_inherits_the_reference_tau(tmp_path):
+    """The headroom of a version an update published stays measured from its parent's reference τ."""
+    (tmp_path / "logs").mkdir()
+    daemon = _daemon(tmp_path)
+    daemon.state["ref"]["1"] = 4.5
+    daemon.commit()
+    pending = {"decision": 1, "arm": "full-1", "tau_before": 3.5, "headroom": 1.0, "tau_new": 4.2, "shadow_gain": 0.5}
+    v2 = publish(
+        tmp_path / "pub", daemon.drafter.save_pretrained, {"kind": "drafter", "parent": 1, "decision": pending}
+    )
+    daemon.close()
+    _write_log(tmp_path / "logs", "seg-000001-1000", v2, accepted=[3])  # τ 4
+    restarted = _daemon(tmp_path)
+    restarted.read()
+    restarted.decide()
+    assert restarted.state["ref"][str(v2)] == pytest.approx(4.5)  # not its own 4
+    (outcome,) = _journal(tmp_path)
+    assert outcome["event"] == "outcome" and outcome["realised_gain"] == pytest.approx(0.5)
+    assert restarted.state["arms"]["full-1"]["recovery"]["mean"] == pytest.approx(0.5)
+    restarted.close()
 
 
 def test_alarm_on_a_zeroed_drafter_and_on_collapsed_tau(tmp_path):
@@ -296,3 +433,27 @@ def test_restart_after_sigkill_loses_nothing(tmp_path):
     assert len(quarantine) == 6 and all("reason" in json.loads(q) for q in quarantine)
     assert len(state["live"]["1"]["recent"]) == state["live"]["1"]["steps"] == 3 * 3 * 4
     assert read_current(tmp_path / "pub")[0] == 1
+
+
+@pytest.mark.parametrize("name", ["eagle3_tiny", "specblock_tiny"])
+def test_daemon_updates_eagle3_and_specblock_drafters(tmp_path, name):
+    """The LoRA and full arms train EAGLE-3 and SpecBlock drafters through the step API and shadow-evaluate
+    them; TreeFlash's approximator arm is not offered."""
+    _write_log(tmp_path / "logs", "seg-000001-1000", 1, accepted=[3])
+    arms = (Arm("approx-1", "approx", 1, 1e-3), Arm("lora-1", "lora", 1, 1e-2), Arm("full-1", "full", 1, 1e-3))
+    daemon = BanditDaemon(tmp_path / "logs", CHECKPOINTS / name, tmp_path / "pub", tmp_path / "state", TINY_TARGET,
+                          BanditConfig(window_steps=8, horizon_requests=1e6), arms=arms)  # fmt: skip
+    assert [a.name for a in daemon.arms] == ["lora-1", "full-1"]
+    daemon.read()
+    served = {n: p.clone() for n, p in daemon.drafter.state_dict().items()}
+    lora = daemon.train(arms[1])
+    # The adapters are merged: the candidate is the family's model with the served drafter's tensors, moved.
+    assert type(lora) is type(daemon.drafter) and lora.state_dict().keys() == served.keys()
+    assert any(not torch.equal(lora.state_dict()[n], v) for n, v in served.items())
+    assert all(torch.equal(daemon.drafter.state_dict()[n], v) for n, v in served.items())
+    daemon.state["ref"]["1"] = 4.5  # τ fell from 4.5 to 4: worth an update
+    assert daemon.run(once=True) == 0
+    decision = _journal(tmp_path)[-1]
+    assert decision["arm"] in ("lora-1", "full-1") and "failed" not in decision
+    assert math.isfinite(decision["shadow_served"]) and math.isfinite(decision["shadow_candidate"])
+    daemon.close()

@@ -12,7 +12,8 @@ from trainer.drafters.eagle3 import Eagle3DraftModel, build_config
 from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
 from trainer.losses import draft_teacher, soft_cross_entropy_and_kl
-from trainer.training.eagle3 import Eagle3Training, ttt_attention_mask, ttt_step
+from trainer.training.eagle3 import Eagle3Training
+from trainer.training.eagle3_losses import ttt_attention_mask, ttt_step
 
 SGLANG_KEYS = {
     "midlayer.self_attn.q_proj.weight",

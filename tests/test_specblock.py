@@ -23,8 +23,8 @@ from trainer.drafters.specblock import (
 )
 from trainer.errors import UserError
 from trainer.losses import draft_teacher, forward_kl_topk, soft_cross_entropy_and_kl
-from trainer.training.specblock import (
-    SpecBlockTraining,
+from trainer.training.specblock import SpecBlockTraining
+from trainer.training.specblock_losses import (
     asymmetric_ordinal_targets,
     choose_launch_slots,
     class_balance_weights,

@@ -13,12 +13,20 @@ Pure: no files, no models (the daemon, trainer/adapt/bandit_daemon.py, measures 
   plus the swap, times ``θ``: the tokens the server would have served meanwhile.
 
 Before an update is paid for, its τ gain is predicted as a learned fraction of the *headroom*
-``max(0, τ_ref - τ)``, where ``τ_ref`` is the served version's live τ right after it went live: drift shows
-as τ falling below it. After a candidate is trained, a shadow evaluation (``expected_accepted``) on held-back
-logged contexts gives its τ against the served drafter's on the same contexts; a per-arm multiplicative
-correction learnt from realised outcomes (live τ after publishing vs. the shadow estimate) scales it. Both
-learnt factors are used optimistically (upper confidence bound), so an arm that was never tried is tried
-when the headroom is large enough, and one that disappoints is tried less.
+``max(0, τ_ref - τ)``, where ``τ_ref`` is the served version's live τ right after it went live, or its parent's
+reference when an update published it and that is higher: drift shows as τ falling below it, and the headroom
+stays measured from before the drift until updates recover it. After a candidate is trained, a shadow evaluation
+(``expected_accepted``) on held-back logged contexts gives its τ against the served drafter's on the same
+contexts; a per-arm multiplicative correction learnt from realised outcomes (live τ after publishing vs. the
+shadow estimate) scales it. Both learnt factors are used optimistically (upper confidence bound), so an arm that
+was never tried is tried when the headroom is large enough, and one that disappoints is tried less.
+
+An arm not yet tried starts from what the tried ones showed (their pooled recovery and measured seconds per
+step), so one arm's disappointment on a drift no update can fix makes the next arm an exploration, not a sure
+bet. Exploration is bounded: an update whose expected net gain is positive only under the optimistic bound (not
+under the plain estimate) is exploration, and exploration may spend at most ``explore_share`` of the tokens
+served so far (its cost in served tokens forgone); beyond that the bandit skips until its estimates, or the
+served total, say otherwise.
 """
 
 from __future__ import annotations
@@ -43,10 +51,12 @@ class Arm:
     lr: float
 
 
+# Learning rates from a sweep on the shipped tiny drafters (benchmarks/bandit_sim.py's shift): a fresh AdamW moves
+# every weight by about ``lr`` per step, and 1e-3 on all weights (3e-3 on the approximator) lowered τ.
 DEFAULT_ARMS = (
-    Arm("approx-4", "approx", 4, 3e-3),
-    Arm("lora-4", "lora", 4, 3e-3),
-    Arm("full-4", "full", 4, 3e-4),
+    Arm("approx-16", "approx", 16, 3e-4),
+    Arm("lora-16", "lora", 16, 1e-3),
+    Arm("full-16", "full", 16, 1e-4),
 )
 
 
@@ -65,6 +75,9 @@ class BanditConfig:
     swap_seconds: float = 0.05
     buffer_requests: int = 64
     holdout_every: int = 4
+    explore_share: float = 0.05
+    # How the server decodes, so how shadow evaluation scores acceptance: "sampled" or "greedy".
+    shadow_acceptance: str = "sampled"
 
 
 @dataclass
@@ -106,9 +119,6 @@ class ArmStats:
     @classmethod
     def fresh(cls, config: BanditConfig) -> ArmStats:
         return cls(Running(config.prior_recovery, 0.5), Running(1.0, 0.5))
-
-    def cost_seconds(self, arm: Arm, config: BanditConfig) -> float:
-        return self.seconds if self.seconds is not None else arm.steps * config.prior_seconds_per_step
 
     def measured(self, seconds: float) -> None:
         """Cost estimate: exponential average of the measured seconds (half weight on the newest)."""
@@ -195,32 +205,65 @@ def cost_tokens(rates: Rates, seconds: float) -> float:
 
 @dataclass(frozen=True)
 class ArmEstimate:
+    """Served tokens over the horizon: ``gain`` from the optimistic recovery, ``mean_gain`` from the plain one."""
+
     arm: str
     tau_gain: float
     gain: float
+    mean_gain: float
     cost: float
 
     @property
     def net(self) -> float:
         return self.gain - self.cost
 
+    @property
+    def exploring(self) -> bool:
+        """Worth it only under the optimistic bound."""
+        return self.mean_gain - self.cost <= 0
+
+
+def pooled_priors(arms: tuple[Arm, ...], stats: dict[str, ArmStats], config: BanditConfig) -> tuple[float, float]:
+    """What an arm not yet judged or measured borrows from the others: the recovery fraction the judged arms
+    realised, pooled with ``prior_recovery`` counted as one outcome, and their measured seconds per optimiser
+    step (``prior_seconds_per_step`` before any was measured)."""
+    judged = [stats[a.name].recovery for a in arms if stats[a.name].recovery.n]
+    outcomes = sum(r.n for r in judged)
+    recovery = (config.prior_recovery + sum(r.mean * r.n for r in judged)) / (1 + outcomes)
+    per_step = [stats[a.name].seconds / a.steps for a in arms if stats[a.name].seconds is not None]
+    return recovery, (sum(per_step) / len(per_step) if per_step else config.prior_seconds_per_step)
+
 
 def plan(
-    rates: Rates, tau_ref: float, arms: tuple[Arm, ...], stats: dict[str, ArmStats], config: BanditConfig
+    rates: Rates,
+    tau_ref: float,
+    arms: tuple[Arm, ...],
+    stats: dict[str, ArmStats],
+    config: BanditConfig,
+    explore_left: float = math.inf,
 ) -> tuple[str, list[ArmEstimate]]:
-    """The arm with the largest expected net gain, or ``SKIP`` when none is positive, and every arm's estimate.
+    """The arm with the largest expected net gain, or ``SKIP`` when none is positive or the best one is
+    exploration costing more than ``explore_left`` served tokens, and every arm's estimate.
 
-    Expected τ gain of an arm = its optimistic recovery fraction × headroom ``max(0, tau_ref - τ)``.
+    Expected τ gain of an arm = its optimistic recovery fraction × headroom ``max(0, tau_ref - τ)``; an arm not
+    yet judged or measured starts from ``pooled_priors``.
     """
     headroom = max(0.0, tau_ref - rates.tau)
+    recovery_prior, seconds_per_step = pooled_priors(arms, stats, config)
     estimates = []
     for arm in arms:
         s = stats[arm.name]
-        tau_gain = max(0.0, s.recovery.upper(config.ucb)) * headroom
-        cost = cost_tokens(rates, s.cost_seconds(arm, config) + config.swap_seconds)
-        estimates.append(ArmEstimate(arm.name, tau_gain, gain_tokens(rates, rates.tau + tau_gain, config), cost))
+        recovery = s.recovery if s.recovery.n else Running(recovery_prior, s.recovery.prior_sd)
+        tau_gain = max(0.0, recovery.upper(config.ucb)) * headroom
+        mean_gain = gain_tokens(rates, rates.tau + max(0.0, recovery.estimate) * headroom, config)
+        seconds = s.seconds if s.seconds is not None else arm.steps * seconds_per_step
+        cost = cost_tokens(rates, seconds + config.swap_seconds)
+        gain = gain_tokens(rates, rates.tau + tau_gain, config)
+        estimates.append(ArmEstimate(arm.name, tau_gain, gain, mean_gain, cost))
     best = max(estimates, key=lambda e: e.net, default=None)
-    return (best.arm if best is not None and best.net > 0 else SKIP), estimates
+    if best is None or best.net <= 0 or (best.exploring and best.cost > explore_left):
+        return SKIP, estimates
+    return best.arm, estimates
 
 
 def shadow_tau(rates: Rates, served: float, candidate: float, correction: float) -> float:
@@ -245,13 +288,18 @@ def collapsed(tau: float, best: float, config: BanditConfig) -> bool:
     return tau <= config.collapse_tau or tau < config.collapse_ratio * best
 
 
-def acceptance(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
+def acceptance(
+    draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, greedy: bool = False
+) -> torch.Tensor:
     """Per-depth acceptance probability of a drafter's distribution against the logged target top-k:
     ``Σ_x min(p(x), q(x))`` over the target's top-k tokens (a lower bound of the sampling acceptance rate;
-    the mass outside the logged top-k is left out for every drafter alike).
+    the mass outside the logged top-k is left out for every drafter alike); under ``greedy`` decoding, whether
+    the drafter's argmax is the target's (the logged top-1).
 
     Shape: draft_logits (..., V), topk_ids / topk_logprobs (..., k) → (...)
     """
+    if greedy:
+        return (draft_logits.argmax(-1) == topk_ids[..., 0]).float()
     q = draft_logits.float().softmax(-1).gather(-1, topk_ids)
     return torch.minimum(q, topk_logprobs.float().exp()).sum(-1)
 

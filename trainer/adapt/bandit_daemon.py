@@ -49,6 +49,7 @@ from trainer.adapt.bandit import (
     Running,
     acceptance,
     collapsed,
+    cost_tokens,
     expected_accepted,
     plan,
     rolled_back,
@@ -60,19 +61,27 @@ from trainer.adapt.bandit import (
 from trainer.adapt.graft import StateError
 from trainer.adapt.journal import append_lines, lock_state_dir, quarantine_lines, run_until_signalled, truncate_to
 from trainer.adapt.publish import publish, read_current, read_manifest
+from trainer.drafters.dflash import DFlashDraftModel
+from trainer.drafters.specblock import SpecBlockDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
 from trainer.io import write_text_atomic
 from trainer.paths import project_path
 from trainer.spec.drafting import load_drafter
 from trainer.target import Target, load_causal_lm
+from trainer.training.specblock_losses import SpecBlockOptions
 from trainer.training.step import (
     BlockStepOptions,
+    Drafter,
     NonFiniteStep,
-    block_logits,
+    SpecBlockStepOptions,
+    StepOptions,
+    chain_depth,
+    chain_logits,
     context_batch,
-    dflash_step,
-    treeflash_step,
+    default_options,
+    target_layer_ids,
+    train_step,
 )
 from trainer.vlog.reader import LogReader
 from trainer.vlog.schema import RecordError
@@ -84,14 +93,17 @@ METRICS = "metrics.json"
 ALARM_EXIT = 3
 PENDING_REQUESTS = 512
 DEFAULT_CONFIG = BanditConfig()
-# Update steps: teacher top-32 (the TreeFlash loss is a KL over it), 8 anchors per replayed request.
-STEP_OPTIONS = BlockStepOptions(topk=32, max_anchors=8)
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def backbone(drafter: torch.nn.Module) -> torch.nn.Module:
-    """The DFlash module of a DFlash or TreeFlash drafter."""
-    return drafter.model if isinstance(drafter, TreeFlashDraftModel) else drafter
+def update_options(drafter: Drafter) -> StepOptions:
+    """Update steps: teacher top-32 (the KL losses are over it); the block drafters and SpecBlock launch from 8
+    anchors per replayed request (SpecBlock's recipe launches from every position, too slow for an update)."""
+    if isinstance(drafter, DFlashDraftModel | TreeFlashDraftModel):
+        return BlockStepOptions(topk=32, max_anchors=8)
+    if isinstance(drafter, SpecBlockDraftModel):
+        return SpecBlockStepOptions(topk=32, loss=SpecBlockOptions(max_anchors=8))
+    return default_options(drafter)
 
 
 def broken(drafter: torch.nn.Module) -> str | None:
@@ -116,17 +128,19 @@ class BanditDaemon:
         target: str | Path,
         config: BanditConfig = DEFAULT_CONFIG,
         arms: tuple[Arm, ...] = DEFAULT_ARMS,
-        options: BlockStepOptions = STEP_OPTIONS,
+        options: StepOptions | None = None,
         batch_requests: int = 4,
         max_length: int = 256,
         keep: int = 5,
         seed: int = 0,
         console: Console | None = None,
     ) -> None:
+        if config.shadow_acceptance not in ("sampled", "greedy"):
+            raise UserError(f"--shadow-acceptance must be 'sampled' or 'greedy', got {config.shadow_acceptance!r}")
         if not Path(logs).is_dir():
             raise UserError(f"--logs {logs} is not a directory (a server or `trainer eval --logs` writes one)")
         self.logs, self.publish_dir, self.state_dir = Path(logs), Path(publish_dir), Path(state_dir)
-        self.config, self.options, self.keep = config, options, keep
+        self.config, self.keep = config, keep
         self.batch_requests, self.max_length = batch_requests, max_length
         self.console = console or Console(highlight=False)
         self.rng = random.Random(seed)
@@ -139,10 +153,11 @@ class BanditDaemon:
         self.vocab_size = model.config.vocab_size
         self.state = self._load_state() or self._fresh_state(Path(drafter))
         self.drafter = self._served_drafter()
+        self.options = options or update_options(self.drafter)
         self.arms = tuple(a for a in arms if a.params != "approx" or isinstance(self.drafter, TreeFlashDraftModel))
         for arm in self.arms:
             self.state["arms"].setdefault(arm.name, _stats_json(ArmStats.fresh(config)))
-        self.target = Target(model, list(backbone(self.drafter).target_layer_ids))
+        self.target = Target(model, target_layer_ids(self.drafter))
         truncate_to(self.state_dir / QUARANTINE, self.state["quarantine_bytes"])
         truncate_to(self.state_dir / DECISIONS, self.state["decisions_bytes"])
         self.reader = LogReader(self.logs, self.state["offsets"], vocab_size=self.vocab_size)
@@ -181,6 +196,8 @@ class BanditDaemon:
             "pending_steps": {},
             "requests": 0,
             "serving_seconds": 0.0,
+            "served_tokens": 0,
+            "explore_tokens": 0.0,
             "decisions": 0,
             "updates": 0,
             "rollbacks": 0,
@@ -195,6 +212,9 @@ class BanditDaemon:
             state = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise StateError(f"cannot read the bandit state {path}: {e}; move it away to start afresh") from e
+        # States written before exploration was budgeted start counting now.
+        state.setdefault("served_tokens", 0)
+        state.setdefault("explore_tokens", 0.0)
         current = read_current(self.publish_dir)
         if current is not None and current[0] != state["version"]:
             # Published after the last commit: adopt the version with the decision its manifest carries.
@@ -251,6 +271,7 @@ class BanditDaemon:
                     live[key] = self._live(key)
                 live[key].add(step_tokens(record), step_seconds(record))
                 self.state["serving_seconds"] += step_seconds(record)
+                self.state["served_tokens"] += step_tokens(record)
                 pending.setdefault(record["request"], []).append(record)
                 while len(pending) > PENDING_REQUESTS:
                     pending.pop(next(iter(pending)))
@@ -284,7 +305,11 @@ class BanditDaemon:
         live = self._live(version)
         if not live.full or self.state["requests"] == 0:
             return
-        self.state["ref"].setdefault(str(version), live.tau)
+        if str(version) not in self.state["ref"]:
+            # An update's version inherits its parent's reference: the headroom stays measured from the τ before
+            # the drift until updates recover it (or the learnt recovery says they cannot).
+            parent = self.state["ref"].get(str(self.state["previous"]), 0.0) if self.state["pending"] else 0.0
+            self.state["ref"][str(version)] = max(live.tau, parent)
         best = max(self.state["ref"].values())
         if collapsed(live.tau, best, self.config):
             self._raise_alarm(live.tau, best)
@@ -334,7 +359,9 @@ class BanditDaemon:
         rates = self.rates()
         version = self.state["version"]
         stats = {name: _stats(obj) for name, obj in self.state["arms"].items()}
-        arm_name, estimates = plan(rates, self.state["ref"][str(version)], self.arms, stats, self.config)
+        explore_left = self.config.explore_share * self.state["served_tokens"] - self.state["explore_tokens"]
+        ref = self.state["ref"][str(version)]
+        arm_name, estimates = plan(rates, ref, self.arms, stats, self.config, explore_left)
         replay = Replay.from_json(self.state["replay"])
         if not any(r["steps"] for r in replay.holdout) or not replay.train:
             # A candidate could be neither trained nor judged: spending the update would buy nothing.
@@ -343,7 +370,8 @@ class BanditDaemon:
         entry = {"event": "decision", "decision": self.state["decisions"], "version": version, "tau": rates.tau}
         entry |= {"tau_ref": self.state["ref"][str(version)], "step_seconds": rates.step_seconds}
         entry |= {"request_rate": rates.request_rate, "horizon_s": rates.horizon_seconds(self.config)}
-        entry |= {"estimates": [asdict(e) | {"net": e.net} for e in estimates], "arm": arm_name}
+        entry |= {"estimates": [asdict(e) | {"net": e.net, "exploring": e.exploring} for e in estimates]}
+        entry |= {"arm": arm_name, "explore_left": explore_left}
         entry["holdout_requests"] = sum(1 for r in replay.holdout if r["steps"])
         if arm_name == SKIP:
             self._log(entry)
@@ -365,6 +393,8 @@ class BanditDaemon:
                 f"{type(e).__name__}: {e}",
             )
         seconds = time.perf_counter() - started
+        if next(e for e in estimates if e.arm == arm_name).exploring:
+            self.state["explore_tokens"] += cost_tokens(rates, seconds)
         stats[arm_name].measured(seconds)
         stats[arm_name].tried += 1
         self.state["arms"][arm_name] = _stats_json(stats[arm_name])
@@ -378,7 +408,7 @@ class BanditDaemon:
             pending = {"decision": self.state["decisions"], "arm": arm_name, "tau_before": rates.tau}
             pending |= {"headroom": max(0.0, self.state["ref"][str(version)] - rates.tau), "tau_new": tau_new}
             pending["shadow_gain"] = cand_shadow - served_shadow
-            manifest = {"kind": "drafter", "parent_version": version, "decision": pending}
+            manifest = {"kind": "drafter", "parent": version, "decision": pending}
             new = publish(self.publish_dir, candidate.save_pretrained, manifest, keep=self.keep)
             entry["published"] = new
             self.state["previous"], self.state["version"], self.state["pending"] = version, new, pending
@@ -413,17 +443,17 @@ class BanditDaemon:
         elif arm.params == "lora":
             from peft import LoraConfig, get_peft_model
 
-            lora = get_peft_model(backbone(candidate), LoraConfig(r=8, lora_alpha=16, target_modules=LORA_MODULES))
-            if tree:
-                candidate.model = lora
+            # peft injects the adapters into the module in place: the candidate's own forward runs through them.
+            lora = get_peft_model(
+                candidate.model if tree else candidate, LoraConfig(r=8, lora_alpha=16, target_modules=LORA_MODULES)
+            )
             params = [p for p in lora.parameters() if p.requires_grad]
         else:
             params = list(candidate.parameters())
         optimizer = torch.optim.AdamW(params, lr=arm.lr, weight_decay=0.0)
-        model = candidate if tree or lora is None else lora
-        step = treeflash_step if tree else dflash_step
         for i in range(arm.steps):
-            step(model, self.target, self._batch(replay), optimizer, self.state["updates"] * 1000 + i, self.options)
+            step = self.state["updates"] * 1000 + i
+            train_step(candidate, self.target, self._batch(replay), optimizer, step, self.options)
         if lora is not None:
             merged = lora.merge_and_unload()
             if tree:
@@ -435,21 +465,18 @@ class BanditDaemon:
 
     @torch.no_grad()
     def shadow(self, drafter: torch.nn.Module) -> float:
-        """Mean expected tokens per step of ``drafter`` on the held-back logged contexts (a chain of the
-        block's depths against the logged target top-k along each step's accepted path)."""
+        """Mean expected tokens per step of ``drafter`` on the held-back logged contexts (a chain of the family's
+        depths against the logged target top-k along each step's accepted path)."""
         replay = Replay.from_json(self.state["replay"])
-        dflash = backbone(drafter)
-        depth = dflash.block_size - 1
+        depth = chain_depth(drafter, self.options)
         totals = []
         for request in replay.holdout:
             steps = request["steps"]
             if not steps:
                 continue
             seq = request["prompt"] + request["output"]
-            anchors = torch.tensor([[s["pos"] for s in steps]])
-            logits = block_logits(drafter, self.target, context_batch([seq], [0], pad_id=0), anchors, self.options)
-            # Shape: (C, K-1, V) the drafter's distributions of depths 1..K-1 at each logged root
-            logits = logits[0, :, 1:]
+            # Shape: (C, D, V) the drafter's distributions of depths 1..D at each logged root
+            logits = chain_logits(drafter, self.target, seq, [s["pos"] for s in steps], self.options)
             k = len(steps[0]["topk_ids"][0])
             ids = torch.zeros(len(steps), depth, k, dtype=torch.long)
             logprobs = torch.full((len(steps), depth, k), -math.inf)
@@ -458,7 +485,8 @@ class BanditDaemon:
                 d = depths[c]
                 ids[c, :d] = torch.tensor(s["topk_ids"][:d])
                 logprobs[c, :d] = torch.tensor(s["topk_logprobs"][:d])
-            totals.append(expected_accepted(acceptance(logits, ids, logprobs), depths))
+            alpha = acceptance(logits, ids, logprobs, greedy=self.config.shadow_acceptance == "greedy")
+            totals.append(expected_accepted(alpha, depths))
         if not totals:
             return math.nan
         return float(torch.cat(totals).mean())

@@ -61,7 +61,12 @@ def bandit_parser() -> ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--logs", type=Path, required=True, help="verifier log directory (segments *.jsonl[.part])")
-    p.add_argument("--drafter", type=Path, required=True, help="DFlash or TreeFlash HF directory served first")
+    p.add_argument(
+        "--drafter",
+        type=Path,
+        required=True,
+        help="drafter HF directory served first (DFlash, TreeFlash, EAGLE-3, SpecBlock)",
+    )
     p.add_argument("--publish", type=Path, required=True, help="drafter versions: PUBLISH/current, PUBLISH/vNNNNNN")
     p.add_argument("--target", default=DEFAULT_TARGET, help="target HF directory (frozen; features and teacher)")
     p.add_argument("--state", type=Path, default=None, help="state directory (default PUBLISH/.state)")

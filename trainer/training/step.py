@@ -1,16 +1,18 @@
 """The training-step API: one optimiser step of a drafter against the frozen target, without a Lightning Trainer.
 
-The adaptation daemons (``trainer adapt bandit``) call these. Each family's function computes its loss with
-the function its LightningModule's training step calls (``dflash_loss``, ``treeflash_loss`` in
-trainer/training/block_losses.py), with the same anchor draws for the same ``(seed, step)``,
-so a step here equals one step of the LightningModule on the same batch. On CPU::
+The adaptation daemons (``trainer adapt bandit``) call these for every family: DFlash, TreeFlash, EAGLE-3 and
+SpecBlock. ``step_loss`` computes the loss with the functions the family's LightningModule's training step calls
+(``dflash_loss``/``treeflash_loss`` in trainer/training/block_losses.py, ``eagle3_loss`` in eagle3_losses.py,
+``specblock_unroll``/``specblock_losses`` in specblock_losses.py), with the same anchor and launch draws for the
+same ``(seed, step)``, so a step here equals one step of the LightningModule on the same batch. On CPU::
 
-    target = Target(load_causal_lm("checkpoints/target_tiny"), drafter.target_layer_ids)
+    target = Target(load_causal_lm("checkpoints/target_tiny"), target_layer_ids(drafter))
     batch = context_batch([ids], [len(prompt)], pad_id=0)
-    loss = dflash_step(drafter, target, batch, torch.optim.AdamW(params, 1e-4), step=0)
+    loss = train_step(drafter, target, batch, torch.optim.AdamW(params, 1e-4), step=0)
 
 The parameter subset is the optimiser's: parameters outside it keep their values (their gradients are
 dropped). A non-finite loss or gradient raises ``NonFiniteStep`` before the optimiser moves anything.
+``chain_logits`` is the drafters' side of shadow evaluation: each family's distributions along a logged chain.
 """
 
 from __future__ import annotations
@@ -18,18 +20,25 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from transformers import DynamicCache
 
 from trainer.data.features import with_features
 from trainer.data.pack import collate
 from trainer.drafters.dflash import DFlashDraftModel
+from trainer.drafters.eagle3 import Eagle3DraftModel
+from trainer.drafters.specblock import SpecBlockDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.target import Target
 from trainer.training.block_batches import slot_weights
 from trainer.training.block_losses import block_batch, blocks_at, dflash_loss, treeflash_loss
+from trainer.training.eagle3_losses import eagle3_loss, eagle3_unroll
+from trainer.training.specblock_losses import SpecBlockOptions, context_blocks, specblock_losses, specblock_unroll
+
+Drafter = DFlashDraftModel | TreeFlashDraftModel | Eagle3DraftModel | SpecBlockDraftModel
 
 
 class NonFiniteStep(ArithmeticError):
@@ -38,7 +47,8 @@ class NonFiniteStep(ArithmeticError):
 
 @dataclass(frozen=True)
 class BlockStepOptions:
-    """What a block-drafter step reads besides the batch; the LightningModules' arguments of the same names."""
+    """A DFlash or TreeFlash step; the LightningModules' arguments of the same names (TreeFlash reads no ``loss``:
+    its loss is the forward KL of the corrected distribution)."""
 
     topk: int = 32
     gamma: float = 7.0
@@ -47,9 +57,43 @@ class BlockStepOptions:
     loss: Literal["ce", "kl"] = "ce"
 
 
+@dataclass(frozen=True)
+class Eagle3StepOptions:
+    """An EAGLE-3 step; the LightningModule's arguments of the same names."""
+
+    topk: int = 32
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+
+
+@dataclass(frozen=True)
+class SpecBlockStepOptions:
+    """A SpecBlock step: the teacher's top-k and the loss options (the LightningModule's arguments)."""
+
+    topk: int = 32
+    loss: SpecBlockOptions = field(default_factory=SpecBlockOptions)
+
+
+StepOptions = BlockStepOptions | Eagle3StepOptions | SpecBlockStepOptions
+
+
+def default_options(drafter: Drafter) -> StepOptions:
+    """The options of ``drafter``'s family with the LightningModule's defaults."""
+    if isinstance(drafter, Eagle3DraftModel):
+        return Eagle3StepOptions()
+    if isinstance(drafter, SpecBlockDraftModel):
+        return SpecBlockStepOptions()
+    return BlockStepOptions()
+
+
+def target_layer_ids(drafter: Drafter) -> list[int]:
+    """The target layers whose hidden states the drafter reads."""
+    return list(_backbone(drafter).target_layer_ids)
+
+
 def context_batch(sequences: list[list[int]], loss_starts: list[int], pad_id: int) -> dict[str, torch.Tensor]:
-    """Logged contexts (prompt + output ids) as a block-drafter batch, one sample per row: the loss covers
-    positions from ``loss_starts[i]`` on (the output), as the chat template's loss mask covers a reply."""
+    """Logged contexts (prompt + output ids) as a training batch, one sample per row: the loss covers positions
+    from ``loss_starts[i]`` on (the output), as the chat template's loss mask covers a reply."""
     rows = [
         {
             "input_ids": ids,
@@ -60,6 +104,109 @@ def context_batch(sequences: list[list[int]], loss_starts: list[int], pad_id: in
         for ids, start in zip(sequences, loss_starts, strict=True)
     ]
     return collate(rows, pad_id)
+
+
+def step_loss(
+    drafter: Drafter, target: Target, batch: dict[str, torch.Tensor], step: int, options: StepOptions
+) -> torch.Tensor:
+    """The family's training loss of ``batch`` (online: the target computes features) at optimiser step ``step``."""
+    _check(drafter, options)
+    if isinstance(drafter, Eagle3DraftModel):
+        features = with_features(batch, target, options.topk)
+        return eagle3_loss(drafter, target, features, options.ttt_steps, options.step_decay)[0]
+    if isinstance(drafter, SpecBlockDraftModel):
+        results = specblock_unroll(drafter, target, with_features(batch, target, options.topk), options.loss, step)
+        return specblock_losses(results, options.loss, drafter.block_size)["loss"]
+    batch, blocks = block_batch(
+        _backbone(drafter), target, batch, options.topk, options.max_anchors, options.seed, step
+    )
+    return _block_loss(drafter, target, batch, blocks, options)[0]
+
+
+def train_step(
+    drafter: Drafter,
+    target: Target,
+    batch: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    options: StepOptions | None = None,
+) -> float:
+    """One optimiser step of the parameters in ``optimizer`` on ``batch``; returns the loss before the step.
+    ``options`` default to the family's (``default_options``)."""
+    options = options or default_options(drafter)
+    with _stepping(drafter, optimizer):
+        return _apply(step_loss(drafter, target, batch, step, options), optimizer)
+
+
+def chain_depth(drafter: Drafter, options: StepOptions | None = None) -> int:
+    """How many tokens after a root ``chain_logits`` gives distributions for: a block's drafted slots (DFlash,
+    TreeFlash), the unrolled steps (EAGLE-3), the context block's slots (SpecBlock)."""
+    if isinstance(drafter, Eagle3DraftModel):
+        return (options or Eagle3StepOptions()).ttt_steps
+    if isinstance(drafter, SpecBlockDraftModel):
+        return drafter.block_size
+    return _backbone(drafter).block_size - 1
+
+
+@torch.no_grad()
+def chain_logits(
+    drafter: Drafter, target: Target, sequence: list[int], roots: list[int], options: StepOptions | None = None
+) -> torch.Tensor:
+    """The drafter's logits over the target's vocabulary for depths ``1..chain_depth`` of the chain it drafts from
+    each root position ``p`` (depth ``d`` drafts ``sequence[p + d]``), teacher-forced on ``sequence``: what the
+    drafter proposes along the path the verifier accepted. Tokens outside a draft vocabulary get ``-inf``.
+    TreeFlash's are the corrected distributions. No gradient, nothing stepped. Shape: (N roots, D, V)
+    """
+    options = options or default_options(drafter)
+    _check(drafter, options)
+    if min(roots, default=1) < 1:
+        raise ValueError(f"a root at position {min(roots)}: a chain starts after at least one context token")
+    batch = with_features(context_batch([sequence], [0], pad_id=0), target, options.topk)
+    depth = chain_depth(drafter, options)
+    at = torch.tensor(roots, device=batch["input_ids"].device)
+    if isinstance(drafter, Eagle3DraftModel):
+        # Step i at origin p - 1 (features of p - 1, token x_p) drafts x_{p+1+i}: depth i + 1 of root p.
+        outputs, _ = eagle3_unroll(drafter, target, batch, depth)
+        logits = torch.stack([drafter.logits(hidden[0, at - 1]) for hidden in outputs], dim=1)
+    elif isinstance(drafter, SpecBlockDraftModel):
+        # The context block whose token is x_p sits at row p - shift; its slot k drafts x_{p+1+k}.
+        hidden = context_blocks(drafter, target, batch, DynamicCache(config=drafter.config))
+        logits = drafter.logits(drafter.norm(hidden[0, at - drafter.token_shift]), target.lm_head)
+    else:
+        anchors = at[None]
+        blocks = blocks_at(_backbone(drafter), batch, anchors, anchors >= 0)
+        # Block slot k drafts anchor + k; slot 0 is the root itself.
+        logits = _block_loss(drafter, target, batch, blocks, options)[1][0, :, 1:]
+    return _target_vocab(drafter, logits, target.lm_head.out_features)
+
+
+def _backbone(drafter: Drafter) -> torch.nn.Module:
+    return drafter.model if isinstance(drafter, TreeFlashDraftModel) else drafter
+
+
+def _check(drafter: Drafter, options: StepOptions) -> None:
+    wanted = type(default_options(drafter))
+    if not isinstance(options, wanted):
+        raise TypeError(f"a {type(drafter).__name__} step takes {wanted.__name__}, got {type(options).__name__}")
+
+
+def _target_vocab(drafter: Drafter, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft-vocabulary logits placed at their target ids (``-inf`` elsewhere). Shape: (..., Vd) → (..., V)"""
+    if logits.shape[-1] == vocab_size:
+        return logits
+    full = logits.new_full((*logits.shape[:-1], vocab_size), -math.inf)
+    full[..., drafter.to_target(torch.arange(logits.shape[-1], device=logits.device))] = logits
+    return full
+
+
+def _block_loss(drafter, target, batch, blocks, options: BlockStepOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, logits (B, N, K, V)) of a block drafter; TreeFlash's logits are the corrected ones."""
+    weights = slot_weights(_backbone(drafter).block_size, options.gamma, device=batch["input_ids"].device)
+    if isinstance(drafter, TreeFlashDraftModel):
+        loss, _, logits, *_ = treeflash_loss(drafter, target, batch, blocks, weights)
+    else:
+        loss, logits, *_ = dflash_loss(drafter, target, batch, blocks, weights, options.loss)
+    return loss, logits
 
 
 def _apply(loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
@@ -91,62 +238,3 @@ def _stepping(drafter: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Ite
     finally:
         for p in frozen:
             p.requires_grad_(True)
-
-
-def dflash_step(
-    drafter: DFlashDraftModel,
-    target: Target,
-    batch: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    step: int,
-    options: BlockStepOptions = BlockStepOptions(),
-) -> float:
-    """One DFlash step on ``batch`` (online: the target computes features); returns the loss before the step."""
-    return _block_step(drafter, target, batch, optimizer, step, options)
-
-
-def treeflash_step(
-    drafter: TreeFlashDraftModel,
-    target: Target,
-    batch: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    step: int,
-    options: BlockStepOptions = BlockStepOptions(),
-) -> float:
-    """One TreeFlash step (forward KL of the corrected distribution); ``options.loss`` is not read."""
-    return _block_step(drafter, target, batch, optimizer, step, options)
-
-
-def _family_loss(drafter, target, batch, blocks, options) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, logits (B, N, K, V)) of the drafter's family; TreeFlash's logits are the corrected ones."""
-    backbone = drafter.model if isinstance(drafter, TreeFlashDraftModel) else drafter
-    weights = slot_weights(backbone.block_size, options.gamma, device=batch["input_ids"].device)
-    if isinstance(drafter, TreeFlashDraftModel):
-        loss, _, logits, *_ = treeflash_loss(drafter, target, batch, blocks, weights)
-    else:
-        loss, logits, *_ = dflash_loss(drafter, target, batch, blocks, weights, options.loss)
-    return loss, logits
-
-
-def _block_step(drafter, target, batch, optimizer, step: int, options: BlockStepOptions) -> float:
-    backbone = drafter.model if isinstance(drafter, TreeFlashDraftModel) else drafter
-    with _stepping(drafter, optimizer):
-        batch, blocks = block_batch(backbone, target, batch, options.topk, options.max_anchors, options.seed, step)
-        return _apply(_family_loss(drafter, target, batch, blocks, options)[0], optimizer)
-
-
-@torch.no_grad()
-def block_logits(
-    drafter: DFlashDraftModel | TreeFlashDraftModel,
-    target: Target,
-    batch: dict[str, torch.Tensor],
-    anchors: torch.Tensor,
-    options: BlockStepOptions = BlockStepOptions(),
-) -> torch.Tensor:
-    """The drafter's logits of every slot of blocks anchored at ``anchors`` (slot ``k`` drafts position
-    ``anchor + k``), computed by the family's loss function; TreeFlash's are the corrected ones, teacher-forced on
-    the batch's tokens. No gradient, nothing stepped. Shape: anchors (B, N) → (B, N, K, V)
-    """
-    backbone = drafter.model if isinstance(drafter, TreeFlashDraftModel) else drafter
-    batch = with_features(batch, target, options.topk)
-    return _family_loss(drafter, target, batch, blocks_at(backbone, batch, anchors, anchors >= 0), options)[1]
