@@ -1,5 +1,6 @@
 """Continuous batching: every request's output equals its single-request output, whatever joins or leaves the
-batch around it (mixed prompt lengths, staggered arrival, cancellation), greedy and sampled under its seed."""
+batch around it (mixed prompt lengths, staggered arrival, cancellation), greedy and sampled under its seed; block
+drafters drafting all rows in one forward draft what each row's own forward would."""
 
 import json
 
@@ -9,7 +10,7 @@ from conftest import ROOT, TINY_TARGET
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer.spec.batch import BatchEngine, BatchRequest, Fixed
-from trainer.spec.drafting import load_drafter
+from trainer.spec.drafting import draft_blocks, load_drafter
 from trainer.spec.engine import BUILDERS, generate, make_session
 from trainer.spec.verify import Sampling
 
@@ -28,18 +29,25 @@ def shipped():
     return target, drafter, prompts
 
 
-@pytest.mark.parametrize("tree,budget", [("none", 0), ("recycling", 16), ("ddtree", 8)])
+@pytest.fixture(scope="module")
+def treeflash():
+    return load_drafter(ROOT / "checkpoints" / "treeflash_tiny")
+
+
+@pytest.mark.parametrize("tree,budget", [("none", 0), ("recycling", 16), ("ddtree", 8), ("treeflash", 8)])
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_batched_output_equals_single_request_output(shipped, tree, budget, temperature):
+def test_batched_output_equals_single_request_output(shipped, treeflash, tree, budget, temperature):
     target, drafter, prompts = shipped
+    drafter = treeflash if tree == "treeflash" else drafter
     sampling = Sampling(temperature=temperature)
-    references = [
+    singles = [
         generate(
             target, make_session(tree, target, drafter), BUILDERS[tree], p, 24, budget, sampling,
             torch.Generator().manual_seed(i),
-        ).tokens
+        )
         for i, p in enumerate(prompts)
     ]  # fmt: skip
+    references = [g.tokens for g in singles]
     engine = BatchEngine(target, drafter, (tree,), Fixed(tree, budget))
     requests = [BatchRequest(p, 24, sampling, torch.Generator().manual_seed(i)) for i, p in enumerate(prompts)]
     # A request that joins and is cancelled mid-run must not disturb the others.
@@ -60,6 +68,44 @@ def test_batched_output_equals_single_request_output(shipped, tree, budget, temp
     assert [r.tokens for r in requests] == references
     assert all(r.finish_reason == "length" for r in requests) and victim.finish_reason == "cancelled"
     assert engine.cache.length == 0
+    if tree != "recycling":  # Recycling's adjacency is shared by the batch, so its trees differ from a lone run's.
+        # Batched drafting drafted each row's own trees: every step accepted what the lone run's step did.
+        assert [[s.accepted for s in r.steps] for r in requests] == [[s.accepted for s in g.steps] for g in singles]
+
+
+def test_one_block_forward_drafts_what_each_row_drafts_alone(shipped, treeflash):
+    """Ragged cached contexts, pending contexts and depths; the sessions' caches stay equal to lone ones."""
+    target, drafter, prompts = shipped
+    for model in (drafter, treeflash):
+        alone = [make_session("ddtree", target, model) for _ in prompts]
+        batched = [make_session("ddtree", target, model) for _ in prompts]
+        roots = []
+        for prompt, a, b in zip(prompts, alone, batched, strict=True):
+            out = target(input_ids=prompt[None], output_hidden_states=True)
+            features = torch.cat([out.hidden_states[i + 1][0] for i in a.layer_ids], dim=-1)
+            a.start(prompt, features, out.logits[0])
+            b.start(prompt, features, out.logits[0])
+            roots.append(int(out.logits[0, -1].argmax()))
+        depths = [15, 2, 7, 40]
+        generator = torch.Generator().manual_seed(0)
+        for step in range(3):
+            draft_blocks(batched, roots, depths)
+            for a, b, root, depth in zip(alone, batched, roots, depths, strict=True):
+                torch.testing.assert_close(b._block(root, depth), a._block(root, depth), atol=1e-4, rtol=0)
+                assert b.forwards == a.forwards == step + 1
+                for mine, theirs in zip(b.cache.layers, a.cache.layers, strict=True):
+                    torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-4, rtol=0)
+            # Rows commit different numbers of positions, so the next contexts are ragged too.
+            for n, (a, b) in enumerate(zip(alone, batched, strict=True)):
+                committed = torch.randint(0, 8192, (n + 1,), generator=generator).tolist()
+                features = torch.randn(n + 1, a.drafter.fc.in_features, generator=generator)
+                a.commit(committed, features, None, None)
+                b.commit(committed, features, None, None)
+            roots = [r + 1 for r in roots]
+            depths = [max(d - 3, 0) for d in depths]
+        with pytest.raises(RuntimeError, match="asked for"):
+            draft_blocks(batched, roots, depths)
+            batched[0]._block(roots[0] + 1, depths[0])
 
 
 def test_stop_token_ends_only_its_request(shipped):

@@ -14,8 +14,12 @@ Column order does not matter to attention (positions are rotated into the keys),
 to close holes: trailing holes are cropped (a view), and the cache is compacted (one gather) only once holes
 make up half of it, which costs O(1) copies per column over a run.
 
-Drafting sessions stay per request: Token Recycling needs no drafter forward, and one adjacency is shared by
-all requests (its hot start); neural drafters draft one request at a time in this version.
+Drafting sessions stay per request, and their drafter work is batched where the drafter allows: Token
+Recycling needs no drafter forward, one adjacency is shared by all requests (its hot start) and learns every
+row's verified nodes in one call; block drafters (DFlash and TreeFlash, under chain, DDTree, TreeFlash and
+Graft-DFlash trees) draft every row's block in one drafter forward per drafter
+(:func:`trainer.spec.drafting.draft_blocks`). EAGLE-3 and SpecBlock still draft one request at a time: their
+trees grow over several forwards whose number and width depend on each row's own frontier.
 
 On CPU with the shipped tiny target::
 
@@ -43,7 +47,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from trainer.masks import additive_mask
-from trainer.spec.drafting import DraftSession, RecyclingSession
+from trainer.spec.drafting import BlockDraftSession, DraftSession, GraftSession, RecyclingSession, draft_blocks
 from trainer.spec.engine import BUILDERS, DEFAULT_OPTIONS, Clock, Step, StepEvent, _cache_kwarg, make_session
 from trainer.spec.options import TreeOptions
 from trainer.spec.verify import GREEDY, Sampling, accept, committed
@@ -278,10 +282,34 @@ class BatchEngine:
                 sessions[kind] = make_session(tree, self.target, self.drafter, self.options)
         return sessions
 
-    def _features(self, out, layer_ids: tuple[int, ...], row: int, cols) -> torch.Tensor | None:
+    def _features(self, out, layer_ids: tuple[int, ...], row, cols) -> torch.Tensor | None:
         if not layer_ids:
             return None
         return torch.cat([out.hidden_states[layer + 1][row, cols] for layer in layer_ids], dim=-1)
+
+    @staticmethod
+    def _draft_blocks(rows: list[BatchRequest], kind: type[DraftSession], budget: int) -> None:
+        """When the builder drafts one block from the root (its session is or holds a block drafter's), draft
+        every row's block now, one forward per drafter; the builder then takes its row's block. The depth is
+        the one the builder asks for: ``min(remaining, budget)``, capped at the drafter's block."""
+        sessions = [r.sessions[kind] for r in rows]
+        sessions = [s.draft if isinstance(s, GraftSession) else s for s in sessions]
+        if not all(isinstance(s, BlockDraftSession) for s in sessions):
+            return
+        groups: dict[int, list[int]] = {}
+        for b, session in enumerate(sessions):
+            groups.setdefault(id(session.drafter), []).append(b)
+        for members in groups.values():
+            draft_blocks(
+                [sessions[b] for b in members],
+                [rows[b].tokens[-1] for b in members],
+                [min(rows[b].remaining, budget) for b in members],
+            )
+
+    @staticmethod
+    def _layer_sets(rows: list[BatchRequest]) -> set[tuple[int, ...]]:
+        """The distinct non-empty target-layer sets the rows' sessions read."""
+        return {s.layer_ids for r in rows for s in r.sessions.values() if s.layer_ids}
 
     def _finish(self, request: BatchRequest, reason: str) -> None:
         request.finished = True
@@ -363,6 +391,8 @@ class BatchEngine:
         builder = BUILDERS[tree_name]
         clock = Clock(self.device)
         forwards = [sum(s.forwards for s in r.sessions.values()) for r in rows]
+        with clock("draft"):
+            self._draft_blocks(rows, builder.session, budget)
         trees = [
             builder.build(r.sessions[builder.session], r.tokens[-1], budget, r.remaining, clock, self.options)
             for r in rows
@@ -398,6 +428,8 @@ class BatchEngine:
             ]
         with clock("commit"):
             appended = torch.zeros(batch, width, dtype=torch.bool)
+            # Shape: (B, T, n*H) per distinct feature set, gathered once for the whole batch.
+            features = {ids_: self._features(out, ids_, slice(None), slice(None)) for ids_ in self._layer_sets(rows)}
             news = []
             for b, (request, tree, result) in enumerate(zip(rows, trees, results, strict=True)):
                 new = committed(tree, result, request.remaining, request.stop_token_ids)
@@ -406,15 +438,19 @@ class BatchEngine:
                 cols = torch.tensor(path, device=self.device)
                 row_logits = logits[b, : tree.tokens.numel()]
                 for session in request.sessions.values():
-                    session.commit(
-                        [request.tokens[-1], *new[:-1]],
-                        self._features(out, session.layer_ids, b, cols),
-                        tree,
-                        row_logits,
-                    )
+                    if session is self.recycling:
+                        continue
+                    row_features = features[session.layer_ids][b, cols] if session.layer_ids else None
+                    session.commit([request.tokens[-1], *new[:-1]], row_features, tree, row_logits)
                 request.past_len += len(path)
                 request.tokens.extend(new)
                 news.append(new)
+            if any(self.recycling in r.sessions.values() for r in rows):
+                # The shared adjacency learns every row's verified nodes in one call, rows in order (what one
+                # call per row would leave). Shape: nodes (B, T) bool, the real nodes of each row.
+                sizes = torch.tensor([t.tokens.numel() for t in trees])
+                nodes = torch.arange(width)[None] < sizes[:, None]
+                self.recycling.learn(ids[nodes], logits[nodes.to(logits.device)])
             self.cache.commit(appended)
         ms = {phase: 1000 * clock.seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify")}
         events = []

@@ -12,14 +12,17 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   an arm); an arm not yet measured at ``B`` is estimated from its nearest measured batch size ``B'`` as
   ``cost(arm, B') · B / B'`` (both averages start as plain means, so early figures are not biased);
 - an arm never measured at all is tried first, once;
-- probing: while the time spent on steps that were not the best estimate stays under ``probe_share`` of all
-  step time (plus ``probe_grace`` seconds, so that a fresh server can look around), a step goes to the arm
-  whose figure at this batch size is oldest among those whose estimated step fits in what is left of that
-  budget, so that acceptance that grows (the recycling adjacency learns)
-  or costs that move are noticed; every other step takes the best estimate.
+- probing: while the throughput lost to steps that were not the best estimate stays under ``probe_share`` of
+  all step time (plus ``probe_grace`` seconds, so that a fresh server can look around), a step goes to the arm
+  whose figure at this batch size is oldest among those whose estimated loss fits in what is left of that
+  budget, so that acceptance that grows (the recycling adjacency learns) or costs that move are noticed; every
+  other step takes the best estimate. A probe of arm ``a`` loses ``seconds · (1 - throughput(a) /
+  throughput(best))``: the share of the step that the best arm would have turned into more tokens.
 
-Probing is budgeted in time, not steps, because one probe of an expensive arm (a neural tree of 16 nodes per
-row at batch 8) can cost as much as dozens of plain steps. Nothing is assumed about the hardware: on a CPU
+Probing is budgeted in lost throughput, not steps, because one probe of an expensive arm (a neural tree of 16
+nodes per row at batch 8) can cost as much as dozens of plain steps, while an arm within a few percent of the
+best costs almost nothing to keep measured; the controller's loss to probing is thus at most ``probe_share``
+of its time (after the grace). Nothing is assumed about the hardware: on a CPU
 where a drafter forward costs about as much as verifying a dozen tokens, the neural arms measure slower than
 plain decoding and lose; on an accelerator, where verifying 16-64 tokens costs about one, the same rule picks
 them. On CPU::
@@ -58,7 +61,7 @@ class Controller:
     def __init__(
         self,
         arms: list[tuple[str, int]],
-        probe_share: float = 0.03,
+        probe_share: float = 0.02,
         probe_grace: float = 1.0,
         tau_decay: float = 0.05,
         cost_decay: float = 0.2,
@@ -71,8 +74,10 @@ class Controller:
         self.cost_decay = cost_decay
         self.steps = 0
         self.last: tuple[str, int] = self.arms[0]
-        self.probing = False
+        # The share of the chosen arm's step that is lost to probing (0 when it is the best estimate).
+        self.loss = 0.0
         self.seconds = 0.0
+        # Seconds of throughput lost to probing so far.
         self.probe_seconds = 0.0
 
     @staticmethod
@@ -100,24 +105,26 @@ class Controller:
 
     def choose(self, batch_size: int) -> tuple[str, int]:
         self.steps += 1
-        best = max(self.arms, key=lambda a: self.throughput(a, batch_size))
+        rates = {a: self.throughput(a, batch_size) for a in self.arms}
+        best = max(self.arms, key=rates.__getitem__)
+        # Per arm, the share of its step that is lost against the best estimate.
+        loss = {a: 1.0 - rates[a] / rates[best] if rates[best] > 0 else 0.0 for a in self.arms}
         never = [a for a in self.arms if not self.stats[a].cost]
         if never:
             self.last = never[0]
         else:
-            # Only arms whose estimated step fits in what is left of the probing budget: one probe of an
+            # Only arms whose estimated loss fits in what is left of the probing budget: one probe of an
             # expensive arm must not overrun it many times over.
             left = self.probe_share * self.seconds + self.probe_grace - self.probe_seconds
-            affordable = [a for a in self.arms if (self.cost(a, batch_size) or 0.0) <= left]
+            affordable = [a for a in self.arms if (self.cost(a, batch_size) or 0.0) * loss[a] <= left]
             stalest = lambda a: self.stats[a].cost.get(batch_size, [0.0, -1, 0])[1]  # noqa: E731
             self.last = min(affordable, key=stalest) if affordable else best
-        self.probing = self.last != best
+        self.loss = 1.0 if never else loss[self.last]
         return self.last
 
     def observe(self, tree: str, budget: int, batch_size: int, rows: list[RowStep], seconds: float) -> None:
         self.seconds += seconds
-        if self.probing:
-            self.probe_seconds += seconds
+        self.probe_seconds += seconds * self.loss
         stats = self.stats.get((tree, budget))
         if stats is None:
             return

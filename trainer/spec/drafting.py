@@ -101,11 +101,22 @@ class BlockDraftSession(ContextSession):
         super().__init__(drafter, target, drafter.target_layer_ids)
         self.max_depth = drafter.block_size - 1
         self.cache = DynamicCache(config=drafter.config)
+        # A block drafted ahead in a batch (:func:`draft_blocks`): (root, depth, pre-norm, normed), taken by the
+        # next ``_block`` call.
+        self.drafted: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
 
     def _block(self, root: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafter hidden states of the block ``[root, MASK x depth]``, pre-norm and normed; ``depth`` is capped at
         the trained block (``block_size - 1``). Shape: (depth + 1, H)"""
         depth = min(depth, self.max_depth)
+        if self.drafted is not None:
+            (drafted_root, drafted_depth, hidden, normed), self.drafted = self.drafted, None
+            if (drafted_root, drafted_depth) != (root, depth):
+                raise RuntimeError(
+                    f"the batch drafted root {drafted_root} at depth {drafted_depth}; the builder asked for root "
+                    f"{root} at depth {depth}"
+                )
+            return hidden, normed
         device = self.device
         block = torch.full((1, depth + 1), self.drafter.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = root
@@ -131,6 +142,73 @@ class BlockDraftSession(ContextSession):
         """Marginal logits of depths ``1..d``, ``d = min(depth, block_size - 1)``. Shape: (d, V)"""
         _, normed = self._block(root, depth)
         return self.head(normed[1:]).float()
+
+
+def draft_blocks(sessions: list[BlockDraftSession], roots: list[int], depths: list[int]) -> None:
+    """Draft the block ``[roots[b], MASK x depths[b]]`` of every session (all of one drafter) in one drafter
+    forward; each session's next ``_block(root, depth)`` returns its row, as its own forward would have.
+
+    Rows are ragged: each has its cached context keys (``P_b``), pending context features (``C_b``) and block
+    (``Q_b = depth_b + 1``). They are padded to ``(P, C, Q)``, left-aligned in each part, and a mask lets a row's
+    queries see only its own cached keys, pending context and block (the single-row forward's view: no mask
+    within a row). Each session's cache then receives its own new context keys; the block keys are dropped."""
+    drafter = sessions[0].drafter
+    if any(s.drafter is not drafter for s in sessions):
+        raise ValueError("draft_blocks drafts sessions of one drafter per forward")
+    device, dtype = sessions[0].device, drafter.fc.weight.dtype
+    depths = [min(d, s.max_depth) for s, d in zip(sessions, depths, strict=True)]
+    taken = [s.take_pending() for s in sessions]
+    rows = len(sessions)
+    cached = [s.cache.get_seq_length() for s in sessions]
+    contexts = [end - start for start, end, _ in taken]
+    p, c, q = max(cached), max(contexts), max(depths) + 1
+    # Shape: (B, C, n*H) pending features, (B, Q) block tokens, (B, C + Q) positions.
+    features = torch.zeros(rows, c, drafter.fc.in_features, dtype=dtype, device=device)
+    block = torch.full((rows, q), drafter.mask_token_id, dtype=torch.long, device=device)
+    positions = torch.zeros(rows, c + q, dtype=torch.long, device=device)
+    # Shape: (B, P + C + Q) keys each row's queries may see.
+    visible = torch.zeros(rows, p + c + q, dtype=torch.bool, device=device)
+    for b, ((start, end, pending), root, depth) in enumerate(zip(taken, roots, depths, strict=True)):
+        if pending is not None:
+            features[b, : end - start] = pending[0].to(dtype)
+        block[b, 0] = root
+        positions[b, : end - start] = torch.arange(start, end, device=device)
+        positions[b, c:] = torch.arange(end, end + q, device=device)
+        visible[b, : cached[b]] = True
+        visible[b, p : p + end - start] = True
+        visible[b, p + c : p + c + depth + 1] = True
+    batch_cache = DynamicCache(config=drafter.config)
+    if p:
+        for layer in range(len(batch_cache.layers)):
+            own = [s.cache.layers[layer] for s in sessions]
+            like = next(o.keys for o in own if o.is_initialized)
+            keys, values = (
+                torch.cat([_padded(getattr(o, kind) if o.is_initialized else like[:, :, :0], p) for o in own])
+                for kind in ("keys", "values")
+            )
+            batch_cache.update(keys, values, layer)
+    hidden = drafter(
+        noise_embedding=sessions[0].embed(block).to(dtype),
+        target_hidden=features,
+        position_ids=positions,
+        attention_mask=visible[:, None, None, :].expand(-1, 1, q, -1),
+        past_key_values=batch_cache,
+        use_cache=True,
+        return_prenorm=True,
+    )
+    for b, (session, root, depth) in enumerate(zip(sessions, roots, depths, strict=True)):
+        if contexts[b]:
+            for layer, batch_layer in enumerate(batch_cache.layers):
+                new = slice(p, p + contexts[b])
+                session.cache.update(batch_layer.keys[b : b + 1, :, new], batch_layer.values[b : b + 1, :, new], layer)
+        session.forwards += 1
+        row = hidden[b, : depth + 1]
+        session.drafted = (root, depth, row, drafter.norm(row))
+
+
+def _padded(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """One row's cached keys or values zero-padded to ``length`` positions. Shape: (1, kv_heads, length, D)"""
+    return F.pad(tensor, (0, 0, 0, length - tensor.shape[-2]))
 
 
 class TreeFlashSession(BlockDraftSession):
@@ -204,8 +282,9 @@ class RecyclingSession(DraftSession):
         self.version = version
         return True
 
-    def _learn(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
-        """``adjacency[tokens[i]] = top-width(logits[i])``; a token seen twice keeps its last row."""
+    def learn(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """``adjacency[tokens[i]] = top-width(logits[i])``; a token seen twice keeps its last row, so learning
+        several trees' nodes concatenated in order equals learning them one after another."""
         tokens = tokens.to(self.adjacency.device)
         order = torch.arange(tokens.numel(), device=tokens.device)
         last = torch.full((self.adjacency.shape[0],), -1, dtype=torch.long, device=tokens.device)
@@ -215,10 +294,10 @@ class RecyclingSession(DraftSession):
         self.adjacency[tokens[keep]] = top.to(self.adjacency.device)
 
     def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
-        self._learn(prompt, logits)
+        self.learn(prompt, logits)
 
     def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:
-        self._learn(tree.tokens.to(logits.device), logits)
+        self.learn(tree.tokens.to(logits.device), logits)
 
 
 class GraftSession(DraftSession):
