@@ -78,13 +78,18 @@ def main() -> None:
         for server in servers.values():
             server.stop()
     names = [f"{t}@{b}" if t != "auto" else "controller" for t, b in configs]
-    print(f"tokens/s as ratio to plain decoding (T={args.temperature}, {args.rounds} x {args.seconds:.0f} s)")
-    print(f"{'concurrency':>11} {'plain tok/s':>11} " + " ".join(f"{n:>12}" for n in names[1:]))
+    print(f"tokens/s as ratio to plain decoding (T={args.temperature}, {args.rounds} x {args.seconds:.0f} s);")
+    print("in brackets the lowest and highest ratio of one round's turns")
+    print(f"{'concurrency':>11} {'plain tok/s':>11} " + " ".join(f"{n:>18}" for n in names[1:]))
     for concurrency in CONCURRENCY:
-        mean = {c: sum(rates[concurrency, c]) / len(rates[concurrency, c]) for c in configs}
-        plain = mean[configs[0]]
-        ratios = " ".join(f"{mean[c] / plain:>11.2f}x" for c in configs[1:])
-        print(f"{concurrency:>11} {plain:>11.1f} {ratios}")
+        plain_rates = rates[concurrency, configs[0]]
+        plain = sum(plain_rates) / len(plain_rates)
+        cells = []
+        for c in configs[1:]:
+            rounds = [rate / base for rate, base in zip(rates[concurrency, c], plain_rates, strict=True)]
+            mean = sum(rates[concurrency, c]) / len(rates[concurrency, c]) / plain
+            cells.append(f"{mean:.2f}x [{min(rounds):.2f}-{max(rounds):.2f}]".rjust(18))
+        print(f"{concurrency:>11} {plain:>11.1f} " + " ".join(cells))
 
 
 if __name__ == "__main__":
