@@ -1,20 +1,31 @@
 """Tree verification as pure functions: the attention mask against sequential decoding, greedy and sampled
 acceptance, warping, and KV compaction."""
 
+import pytest
 import torch
 from conftest import chi2_pvalue
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from trainer.spec.tree import Tree
-from trainer.spec.verify import Sampling, accept, accept_greedy, compact_cache, tree_attention_mask
+from trainer.spec.verify import (
+    GrowingLayer,
+    Sampling,
+    accept,
+    accept_greedy,
+    compact_cache,
+    growing_cache,
+    tree_attention_mask,
+)
 
 
-def test_tree_mask_matches_sequential_decoding(tiny_qwen3):
+@pytest.mark.parametrize("make_cache", [lambda c: DynamicCache(config=c), growing_cache], ids=["dynamic", "growing"])
+def test_tree_mask_matches_sequential_decoding(tiny_qwen3, make_cache):
     torch.manual_seed(1)
     ids = torch.randint(0, 97, (1, 12))
     with torch.no_grad():
         full = tiny_qwen3(ids).logits[0]
-        cache = DynamicCache(config=tiny_qwen3.config)
+        cache = make_cache(tiny_qwen3.config)
         tiny_qwen3(ids[:, :8], cache=cache, use_cache=True)
         # Root ids[8] with two branches: the true continuation ids[9], ids[10] and a decoy 5 → 6.
         tree = Tree.from_lists([int(ids[0, 8]), int(ids[0, 9]), 5, int(ids[0, 10]), 6], [-1, 0, 0, 1, 2])
@@ -29,6 +40,29 @@ def test_tree_mask_matches_sequential_decoding(tiny_qwen3):
     with torch.no_grad():
         nxt = tiny_qwen3(ids[:, 11:12], cache=cache, use_cache=True).logits[0, -1]
     torch.testing.assert_close(nxt, full[11], atol=1e-4, rtol=1e-4)
+
+
+def test_growing_layer_holds_what_a_dynamic_layer_holds():
+    """Appends past the buffer's capacity, crops, compactions that move positions and appends after them leave
+    a growing layer with the keys a concatenating layer has, and compaction copies only the moved positions."""
+    torch.manual_seed(0)
+    grown, plain = GrowingLayer(), DynamicLayer()
+    lengths = [200, 16, 16, 40, 300, 5]
+    for step, n in enumerate(lengths):
+        keys, values = torch.randn(2, 1, 2, n, 4).unbind(0)
+        for layer in (grown, plain):
+            out = layer.update(keys, values)
+        torch.testing.assert_close(out[0], plain.keys, rtol=0, atol=0)
+        past = plain.keys.shape[-2] - n
+        keep = [0, 2, 3] if step % 2 else list(range(min(n, 5)))
+        for layer in (grown, plain):
+            cache = DynamicCache()
+            cache.layers = [layer]
+            compact_cache(cache, past, keep)
+        torch.testing.assert_close(grown.keys, plain.keys, rtol=0, atol=0)
+        torch.testing.assert_close(grown.values, plain.values, rtol=0, atol=0)
+    # The cache stays a view of one buffer: nothing behind the kept positions was reallocated by a compaction.
+    assert grown.keys.data_ptr() == grown._key_buffer.data_ptr() and grown._key_buffer.shape[-2] >= 256
 
 
 def test_greedy_acceptance_walks_the_argmax():

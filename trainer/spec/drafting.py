@@ -37,6 +37,7 @@ from trainer.errors import UserError
 from trainer.masks import additive_mask
 from trainer.paths import project_path
 from trainer.spec.tree import Transitions, Tree
+from trainer.spec.verify import growing_cache
 
 
 class DraftSession:
@@ -100,7 +101,8 @@ class BlockDraftSession(ContextSession):
     def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel) -> None:
         super().__init__(drafter, target, drafter.target_layer_ids)
         self.max_depth = drafter.block_size - 1
-        self.cache = DynamicCache(config=drafter.config)
+        # The block's keys are appended and cropped every step: a growing cache copies neither the context.
+        self.cache = growing_cache(drafter.config)
         # A block drafted ahead in a batch (:func:`draft_blocks`): (root, depth, pre-norm, normed), taken by the
         # next ``_block`` call.
         self.drafted: tuple[int, int, torch.Tensor, torch.Tensor] | None = None

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.specblock import SpecBlockDraftModel
@@ -57,7 +57,15 @@ from trainer.spec.tree import (
     template_by_prior,
     treeflash,
 )
-from trainer.spec.verify import GREEDY, Sampling, accept, committed, compact_cache, tree_attention_mask
+from trainer.spec.verify import (
+    GREEDY,
+    Sampling,
+    accept,
+    committed,
+    compact_cache,
+    growing_cache,
+    tree_attention_mask,
+)
 
 DEFAULT_OPTIONS = TreeOptions()
 
@@ -511,7 +519,7 @@ def generate(
         raise ValueError("max_new_tokens must be at least 1")
     device = target.device
     stops = stop_token_ids or set()
-    cache = DynamicCache(config=target.config)
+    cache = growing_cache(target.config)
     cache_kw = _cache_kwarg(target)
     want_hidden = bool(session.layer_ids)
     dtype = next(target.parameters()).dtype
@@ -563,7 +571,9 @@ def generate(
             # The root and the accepted drafts that were committed: len(new) positions enter the context.
             path = result.path[: len(new)]
             compact_cache(cache, past_len, path)
-            session.commit([root, *new[:-1]], features(out, torch.tensor(path, device=device)), tree, logits)
+            # A chain's path is a prefix of the tree: a slice of the hidden states, not a gather.
+            rows = slice(len(path)) if path[-1] == len(path) - 1 else torch.tensor(path, device=device)
+            session.commit([root, *new[:-1]], features(out, rows), tree, logits)
             tokens.extend(new)
         if on_step is not None:
             with clock("log"):

@@ -41,9 +41,9 @@ class Tree:
         """Draft nodes, root excluded (the budget unit)."""
         return self.tokens.numel() - 1
 
-    @property
+    @functools.cached_property
     def is_chain(self) -> bool:
-        """Every node's parent is the node before it (a single path)."""
+        """Every node's parent is the node before it (a single path). Computed once: trees are immutable."""
         return bool((self.parents[1:] == torch.arange(self.parents.numel() - 1)).all())
 
     def depths(self) -> torch.Tensor:
@@ -97,8 +97,8 @@ def root_only(root: int) -> Tree:
 
 def chain(root: int, tokens: torch.Tensor, budget: int) -> Tree:
     """A single path of the first ``budget`` drafted tokens (DFlash's greedy block). ``tokens`` Shape: (D,)"""
-    draft = tokens[:budget].tolist()
-    return Tree.from_lists([root, *draft], list(range(-1, len(draft))))
+    draft = tokens[:budget].to("cpu", torch.long)
+    return Tree(torch.cat([torch.tensor([root]), draft]), torch.arange(-1, draft.numel()))
 
 
 def _best_first(

@@ -112,7 +112,8 @@ def accept_greedy(tree: Tree, logits: torch.Tensor) -> Acceptance:
 def committed(tree: Tree, result: Acceptance, remaining: int, stops: set[int] | frozenset[int]) -> list[int]:
     """The tokens a step commits: the accepted drafts, then the target's bonus; never more than ``remaining``
     and never past a stop token. The first ``len(tokens)`` nodes of ``result.path`` enter the context."""
-    new = [int(t) for t in tree.tokens[result.path[1:]]] + [result.bonus]
+    tokens = tree.tokens.tolist()
+    new = [tokens[node] for node in result.path[1:]] + [result.bonus]
     new = new[:remaining]
     for i, token in enumerate(new):
         if token in stops:
@@ -120,25 +121,77 @@ def committed(tree: Tree, result: Acceptance, remaining: int, stops: set[int] | 
     return new
 
 
+class GrowingLayer(DynamicLayer):
+    """A full-attention KV layer over a preallocated buffer (B, heads, capacity, dim): appending writes the new
+    positions in place and dropping positions shortens a view, so neither copies the cached prefix
+    (``DynamicLayer`` concatenates, copying the whole cache at every forward). The buffer doubles when full.
+    ``keys``/``values`` are views of the buffer's first ``get_seq_length()`` positions."""
+
+    _key_buffer: torch.Tensor | None = None
+    _value_buffer: torch.Tensor | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.get_seq_length()
+        end = start + key_states.shape[-2]
+        if not self._holds(key_states, end):
+            self._key_buffer = _reserve(self.keys, key_states, start, end)
+            self._value_buffer = _reserve(self.values, value_states, start, end)
+        self._key_buffer[..., start:end, :] = key_states
+        self._value_buffer[..., start:end, :] = value_states
+        self.keys = self._key_buffer[..., :end, :]
+        self.values = self._value_buffer[..., :end, :]
+        return self.keys, self.values
+
+    def _holds(self, key_states: torch.Tensor, end: int) -> bool:
+        """The buffer has room for ``end`` positions and ``keys`` still views it (nothing replaced them)."""
+        buffer = self._key_buffer
+        return (
+            buffer is not None
+            and buffer.shape[-2] >= end
+            and buffer.shape[:2] == key_states.shape[:2]
+            and (end == key_states.shape[-2] or self.keys.data_ptr() == buffer.data_ptr())
+        )
+
+
+def _reserve(cached: torch.Tensor, new: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """A buffer for twice ``end`` positions holding the ``start`` cached ones."""
+    buffer = new.new_empty((*new.shape[:2], max(2 * end, 256), new.shape[-1]))
+    if start:
+        buffer[..., :start, :] = cached
+    return buffer
+
+
+def growing_cache(config) -> DynamicCache:
+    """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`GrowingLayer` s."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 def compact_cache(cache: DynamicCache, past_len: int, keep: list[int]) -> None:
     """Keep the first ``past_len`` cached positions plus the tree positions ``keep`` (offsets after
-    ``past_len``, increasing), dropping the rest of the verified tree. A kept prefix of the tree (a chain's
-    accepted drafts) is a crop, a view that copies nothing."""
-    prefix = keep == list(range(len(keep)))
+    ``past_len``, increasing), dropping the rest of the verified tree. Kept positions move left in place, so
+    only they are copied (none for a chain's accepted prefix); the cache then ends after them (a view)."""
+    moved = [i for i, offset in enumerate(keep) if offset != i]
+    end = past_len + len(keep)
     index = None
     for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
+        if type(layer) not in (DynamicLayer, GrowingLayer):
             raise TypeError(
                 f"tree verification compacts full-attention caches only; this target has a {type(layer).__name__}"
             )
         if not layer.is_initialized:
             continue
-        if prefix:
-            layer.keys = layer.keys[..., : past_len + len(keep), :]
-            layer.values = layer.values[..., : past_len + len(keep), :]
-            continue
-        if index is None or index.device != layer.keys.device:
-            tail = torch.tensor(keep, dtype=torch.long, device=layer.keys.device) + past_len
-            index = torch.cat([torch.arange(past_len, device=layer.keys.device), tail])
-        layer.keys = layer.keys.index_select(-2, index)
-        layer.values = layer.values.index_select(-2, index)
+        if moved:
+            if index is None or index.device != layer.keys.device:
+                index = torch.tensor([keep[i] for i in moved], device=layer.keys.device) + past_len
+                target = torch.tensor(moved, device=layer.keys.device) + past_len
+            # Advanced indexing reads a copy first, so overlapping sources and destinations are safe.
+            layer.keys[..., target, :] = layer.keys[..., index, :]
+            layer.values[..., target, :] = layer.values[..., index, :]
+        layer.keys = layer.keys[..., :end, :]
+        layer.values = layer.values[..., :end, :]
