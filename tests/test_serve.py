@@ -245,6 +245,8 @@ def test_load_with_snapshots_published_mid_load_and_complete_logs(server):
     for rid, prompt_tokens, completion_tokens in results:
         record = requests[rid]
         assert len(record["prompt_ids"]) == prompt_tokens
+        # The controller's recycling arm computes the prompt's logits: their top-k is the daemon's evidence.
+        assert len(record["prefill_topk_ids"]) == prompt_tokens
         out = len(record["output_ids"])
         assert completion_tokens in (-1, out)
         mine = sorted(steps.get(rid, []), key=lambda r: r["step"])

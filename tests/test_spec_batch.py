@@ -144,3 +144,23 @@ def test_a_published_adjacency_fills_rows_the_server_did_not_learn(shipped):
     with pytest.raises(ValueError, match="needs"):
         engine.set_adjacency(torch.zeros(17, 4, dtype=torch.long))
     assert torch.equal(engine.recycling.adjacency, newer)
+
+
+def test_prefill_topk_is_the_targets_topk_at_every_prompt_position(shipped):
+    """The prompt evidence of the verifier log: kept when the prefill computes every prompt position's logits
+    (a recycling session learns from them), never computed for it otherwise."""
+    target, drafter, prompts = shipped
+    with torch.no_grad():
+        expected = target(prompts[1][None]).logits[0].topk(8, dim=-1).indices
+    engine = BatchEngine(target, None, ("recycling",), Fixed("recycling", 16), prefill_topk=8)
+    request = BatchRequest(prompts[1], 4)
+    engine.submit(request)
+    while engine.busy:
+        engine.step()
+    assert torch.equal(request.prefill_topk, expected) and request.tokens[0] == int(expected[-1, 0])
+    plain = BatchEngine(target, drafter, ("ddtree",), Fixed("ddtree", 8), prefill_topk=8)
+    request = BatchRequest(prompts[1], 4)
+    plain.submit(request)
+    while plain.busy:
+        plain.step()
+    assert request.prefill_topk is None

@@ -27,6 +27,7 @@ from trainer.spec.controller import Controller
 from trainer.spec.drafting import load_drafter
 from trainer.spec.engine import make_session
 from trainer.vlog.recorder import StepRecorder
+from trainer.vlog.schema import MIN_TOPK
 from trainer.vlog.writer import LogWriter
 
 LOG = logging.getLogger("trainer.serve")
@@ -80,6 +81,9 @@ class Worker:
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._last_reload = 0.0
         engine.on_step = self._on_step
+        if writer is not None:
+            # Request records carry the prompt's top-k: the graft daemon's evidence for prompt positions.
+            engine.prefill_topk = MIN_TOPK
 
     def start(self) -> None:
         self.reload()
@@ -157,7 +161,8 @@ class Worker:
         identity = self.identities.pop(id(request))
         self.metrics.requests.labels(request.finish_reason or "unknown").inc()
         if self.writer is not None:
-            self._recorder(identity, None, None).finish(request.prompt.tolist(), list(request.tokens))
+            recorder = self._recorder(identity, None, None)
+            recorder.finish(request.prompt.tolist(), list(request.tokens), request.prefill_topk)
 
     def reload(self) -> None:
         """Load the newest version of every watched directory that changed; a failure keeps the old one."""

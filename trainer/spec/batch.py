@@ -76,6 +76,8 @@ class BatchRequest:
     # Positions of this request in the target's cache (prompt + committed tokens before the last).
     past_len: int = 0
     sessions: dict[type, DraftSession] = field(default_factory=dict)
+    # Shape: (P, k): the target's top-k ids after every prompt position (``BatchEngine.prefill_topk``), or None.
+    prefill_topk: torch.Tensor | None = None
 
     @property
     def remaining(self) -> int:
@@ -214,6 +216,7 @@ class BatchEngine:
         options: TreeOptions = DEFAULT_OPTIONS,
         on_step: Callable[[RowStep], None] | None = None,
         max_batch: int = 16,
+        prefill_topk: int = 0,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -222,6 +225,9 @@ class BatchEngine:
         self.options = options
         self.on_step = on_step
         self.max_batch = max_batch
+        # k > 0: keep each request's prompt top-k (the verifier log's prompt evidence) when its prefill computes
+        # the logits of every prompt position anyway (a session learns from them); k = 0: never.
+        self.prefill_topk = prefill_topk
         self.device = target.device
         self.dtype = next(target.parameters()).dtype
         self.cache_kw = _cache_kwarg(target)
@@ -332,6 +338,8 @@ class BatchEngine:
             **{self.cache_kw: cache},
         )
         logits = out.logits[0].float()
+        if self.prefill_topk and logits.shape[0] == prompt.numel():
+            request.prefill_topk = logits.topk(min(self.prefill_topk, logits.shape[-1]), dim=-1).indices
         request.tokens = [request.sampling.next_token(logits[-1], request.generator)]
         for session in sessions:
             session.start(prompt, self._features(out, session.layer_ids, 0, slice(None)), logits)

@@ -108,6 +108,14 @@ class StepRecorder:
             ms=event.ms,
         )
 
-    def finish(self, prompt_ids: list[int], output_ids: list[int]) -> None:
-        """The request record, once the output is known."""
-        self.writer.write(request_record(**self.identity, prompt_ids=prompt_ids, output_ids=output_ids))
+    def finish(self, prompt_ids: list[int], output_ids: list[int], prefill_topk: torch.Tensor | None = None) -> None:
+        """The request record, once the output is known; ``prefill_topk`` (P, k) ids, when given, becomes its
+        ``prefill_topk_ids`` (converted on the writer thread)."""
+        self.writer.write(
+            lambda: request_record(
+                **self.identity,
+                prompt_ids=prompt_ids,
+                output_ids=output_ids,
+                prefill_topk_ids=None if prefill_topk is None else prefill_topk.tolist(),
+            )
+        )
