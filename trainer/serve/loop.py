@@ -1,14 +1,15 @@
 """The closed adaptation loop end to end: serve, log, adapt, publish, hot-reload, and τ over time.
 
 Starts ``trainer serve`` (drafter-free recycling at a fixed budget, so that τ measures the adjacency alone;
-verifier logs to ``OUT/logs``; watching ``OUT/publish``) and ``trainer adapt graft`` (reading the logs,
-publishing adjacency snapshots), then sends a prompt stream that shifts domain: held-out stdlib code (the
-tiny target's own domain), then the source of third-party packages installed next to it (never in its
-training data). Afterwards both processes are stopped and τ per request is read back from the verifier log
-(mean accepted drafts + 1 over the request's steps), with the adjacency version each request was served
-with. Then the same stream is served again by a server alone (its own online recycling only, no daemon):
-the outputs are the same (lossless, same seeds), so the τ columns differ only by what the daemon's snapshots
-added. Writes ``OUT/loop.md`` (the table), ``OUT/loop.json`` and ``OUT/loop.png``::
+verifier logs to ``OUT/loop/logs``; watching ``OUT/loop/publish``) and ``trainer adapt graft`` (reading the
+logs, publishing adjacency snapshots; its output goes to ``OUT/loop/daemon.log``), then sends a prompt stream
+that shifts domain: held-out stdlib code (the tiny target's own domain), then the source of third-party
+packages installed next to it (never in its training data). Afterwards both processes are stopped and τ per
+request is read back from the verifier log (mean accepted drafts + 1 over the request's steps), with the
+adjacency version each request was served with. Then the same stream is served again by a server alone
+(``OUT/control``: its own online recycling only, no daemon): the outputs are the same (lossless, same seeds),
+so the τ columns differ only by what the daemon's snapshots added. Writes ``OUT/loop.md`` (the table),
+``OUT/loop.json`` and ``OUT/loop.png``::
 
     python -m trainer.serve.loop --out runs/loop [--requests 40] [--max-tokens 48]
 """
@@ -95,6 +96,7 @@ def run_loop(
             ["graft", "--logs", str(logs), "--publish", str(publish_dir), "--target",
              str(project_path("checkpoints/target_tiny")), "--publish-seconds", str(publish_seconds),
              "--commit-seconds", "1", "--poll-seconds", "0.2"],
+            log=out / "daemon.log",
         )  # fmt: skip
     sent: list[tuple[str, str]] = []
     try:
@@ -114,7 +116,8 @@ def run_loop(
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(timeout=120)
     if daemon is not None and daemon.returncode != 0:
-        raise RuntimeError(f"the graft daemon exited with {daemon.returncode}:\n{daemon.stdout.read()[-2000:]}")
+        output = (out / "daemon.log").read_text()[-2000:]
+        raise RuntimeError(f"the graft daemon exited with {daemon.returncode}; the end of its output:\n{output}")
     steps: dict[str, list[dict]] = {}
     outputs: dict[str, int] = {}
     for segment in sorted(logs.glob("*.jsonl")):

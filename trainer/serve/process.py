@@ -21,12 +21,16 @@ _PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 _CODE = "import sys; from trainer.serve.cli import main; main(sys.argv[1:])"
 
 
-def python_process(code: str, args: list[str]) -> subprocess.Popen:
-    """``python -c code args`` importing this checkout, one thread, offline, output piped."""
+def python_process(code: str, args: list[str], log: Path | None = None) -> subprocess.Popen:
+    """``python -c code args`` importing this checkout, one thread, offline; output piped, or appended to
+    ``log`` (for a long-running process whose output nobody reads: a full pipe would block its writes)."""
     env = {**os.environ, "PYTHONPATH": str(_PACKAGE_PARENT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
+    if log is None:
+        return subprocess.Popen(
+            [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+    with open(log, "a") as out:
+        return subprocess.Popen([sys.executable, "-c", code, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 class ServerProcess:
