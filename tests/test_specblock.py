@@ -477,6 +477,14 @@ def test_own_head_starts_from_the_targets_rows_and_restricts_the_teacher(dirs):
     assert torch.isfinite(module.losses(results)["loss"])
 
 
+def assert_same_gradients(first: tuple, second: tuple) -> None:
+    """The same parameters got a gradient (``None``: unused) and the gradients agree."""
+    for a, b in zip(first, second, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+
+
 @pytest.mark.parametrize("draft_vocab_size", [None, 48])
 def test_head_gradient_from_valid_slots_equals_the_full_heads(dirs, draft_vocab_size):
     """The unroll runs the LM head with gradient on the valid slots only; its KL (M,) must equal, in value and in
@@ -511,10 +519,7 @@ def test_head_gradient_from_valid_slots_equals_the_full_heads(dirs, draft_vocab_
         full.append((kl * r.kl_mask).sum())
     fast = torch.autograd.grad(sum(kept), params, allow_unused=True, retain_graph=True)
     slow = torch.autograd.grad(sum(full), params, allow_unused=True)
-    for a, b in zip(fast, slow, strict=True):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    assert_same_gradients(fast, slow)
 
 
 @pytest.mark.parametrize(("launch", "max_anchors"), [("teacher", None), ("draft", 5)])
@@ -533,10 +538,7 @@ def test_chunked_launches_equal_one_forward(dirs, launch, max_anchors):
     (loss_1, valid_1, grads_1), (loss_3, valid_3, grads_3) = outs
     assert torch.allclose(loss_1, loss_3, atol=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(valid_1, valid_3, strict=True))
-    for a, b in zip(grads_1, grads_3, strict=True):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    assert_same_gradients(grads_1, grads_3)
 
 
 def test_short_fit_learns_and_exports(dirs, tmp_path):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import torch
 
@@ -77,7 +78,7 @@ class BanditConfig:
     holdout_every: int = 4
     explore_share: float = 0.05
     # How the server decodes, so how shadow evaluation scores acceptance: "sampled" or "greedy".
-    shadow_acceptance: str = "sampled"
+    shadow_acceptance: Literal["sampled", "greedy"] = "sampled"
 
 
 @dataclass

@@ -212,9 +212,6 @@ class BanditDaemon:
             state = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise StateError(f"cannot read the bandit state {path}: {e}; move it away to start afresh") from e
-        # States written before exploration was budgeted start counting now.
-        state.setdefault("served_tokens", 0)
-        state.setdefault("explore_tokens", 0.0)
         current = read_current(self.publish_dir)
         if current is not None and current[0] != state["version"]:
             # Published after the last commit: adopt the version with the decision its manifest carries.

@@ -25,12 +25,11 @@ def python_process(code: str, args: list[str], log: Path | None = None) -> subpr
     """``python -c code args`` importing this checkout, one thread, offline; output piped, or appended to
     ``log`` (for a long-running process whose output nobody reads: a full pipe would block its writes)."""
     env = {**os.environ, "PYTHONPATH": str(_PACKAGE_PARENT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-c", code, *args]
     if log is None:
-        return subprocess.Popen(
-            [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     with open(log, "a") as out:
-        return subprocess.Popen([sys.executable, "-c", code, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 class ServerProcess:
