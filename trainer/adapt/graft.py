@@ -66,6 +66,7 @@ from trainer.adapt.publish import (
 from trainer.errors import UserError
 from trainer.io import atomic_path, write_text_atomic
 from trainer.paths import project_path
+from trainer.vlog.columns import BatchDecoder, StepColumns
 from trainer.vlog.reader import LogReader
 from trainer.vlog.schema import RecordError
 
@@ -142,34 +143,24 @@ def _pad(t: torch.Tensor, k: int, value: float) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, k - t.shape[1]), value=value) if t.shape[1] < k else t
 
 
-def step_evidence(records: list[dict], servers: list[int], candidates: int) -> Evidence:
-    """Every verified node of the step records: its token's row gets the node's logged top-k."""
-    rows, ids, logprobs, counts = [], [], [], []
-    for record in records:
-        rows.append(record["root"])
-        rows.extend(record["tokens"])
-        ids.append(record["topk_ids"])
-        logprobs.append(record["topk_logprobs"])
-        counts.append(len(record["tokens"]) + 1)
-    # Records may log different k: one block per k (one flattening each, no per-node Python), padded to the
-    # widest; the nodes of the blocks follow ``order``, so rows and servers are rearranged to match.
-    by_k: dict[int, list[int]] = {}
-    for i, block in enumerate(ids):
-        by_k.setdefault(len(block[0]), []).append(i)
-    k = min(candidates, max(by_k))
-    cand_blocks, weight_blocks, order = [], [], []
-    for members in by_k.values():
-        cand_blocks.append(_pad(_topk_block([ids[i] for i in members], k, np.int64), k, -1))
-        lp = _topk_block([logprobs[i] for i in members], k, np.float32)
-        weight_blocks.append(_pad(torch.round(lp.exp().clamp(max=1.0) * SCALE).long(), k, 0))
-        order.extend(members)
-    node_rows = torch.from_numpy(np.array(rows, dtype=np.int64))
-    node_servers = torch.repeat_interleave(torch.tensor(servers), torch.tensor(counts))
-    if len(by_k) > 1:
-        starts = torch.tensor([0, *counts]).cumsum(0).tolist()
-        index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in order])
-        node_rows, node_servers = node_rows[index], node_servers[index]
-    return Evidence(node_rows, torch.cat(cand_blocks), torch.cat(weight_blocks), node_servers)
+def step_evidence(steps: StepColumns, servers: np.ndarray, candidates: int) -> Evidence:
+    """Every verified node of the step records: its token's row gets the node's logged top-k. ``servers`` (R,)
+    is the server index of each record."""
+    widths = np.unique(steps.k)
+    k = min(candidates, int(widths[-1]))
+    # Records may log different k: one block of records per k, padded to the widest.
+    members = [np.arange(len(steps))] if widths.size == 1 else [np.flatnonzero(steps.k == w) for w in widths]
+    rows, cands, weights, node_servers = [], [], [], []
+    for index in members:
+        block = steps.select(index)
+        width = int(block.k[0])
+        ids = torch.from_numpy(block.topk_ids).view(-1, width)[:, :k]
+        lp = torch.from_numpy(block.topk_logprobs.astype(np.float32)).view(-1, width)[:, :k]
+        rows.append(torch.from_numpy(block.rows))
+        cands.append(_pad(ids, k, -1))
+        weights.append(_pad(torch.round(lp.exp().clamp(max=1.0) * SCALE).long(), k, 0))
+        node_servers.append(torch.from_numpy(np.repeat(servers[index], np.diff(block.start))))
+    return Evidence(torch.cat(rows), torch.cat(cands), torch.cat(weights), torch.cat(node_servers))
 
 
 def request_evidence(records: list[dict], servers: list[int], candidates: int, prompt_weight: float) -> Evidence:
@@ -272,35 +263,47 @@ class GraftState:
 
     def apply(self, records: list[dict], lines: int) -> int:
         """Apply one batch of valid ``records`` out of ``lines`` consumed log lines; returns rows touched."""
+        steps = StepColumns.from_records([r for r in records if r["kind"] == "step"])
+        return self.apply_decoded(steps, [r for r in records if r["kind"] == "request"], lines)
+
+    def apply_decoded(self, steps: StepColumns, requests: list[dict], lines: int) -> int:
+        """``apply`` for a batch decoded by ``trainer.vlog.columns``: its valid step and request records."""
         self.counters.lines += lines
-        self.counters.records += len(records)
-        groups: dict[str | None, list[dict]] = {}
-        for record in records:
+        self.counters.records += len(steps) + len(requests)
+        # Per table (None: the shared one): the indices of its step records, its request records.
+        groups: dict[str | None, tuple[list[int], list[dict]]] = {}
+        for i, (shareable, tenant) in enumerate(zip(steps.shareable, steps.tenant, strict=True)):
+            if shareable:
+                groups.setdefault(None, ([], []))[0].append(i)
+            elif tenant is None:
+                self.counters.private_untenanted += 1
+            else:
+                groups.setdefault(tenant, ([], []))[0].append(i)
+        for record in requests:
             if record["shareable"]:
-                groups.setdefault(None, []).append(record)
+                groups.setdefault(None, ([], []))[1].append(record)
             elif record["tenant"] is None:
                 self.counters.private_untenanted += 1
             else:
-                groups.setdefault(record["tenant"], []).append(record)
+                groups.setdefault(record["tenant"], ([], []))[1].append(record)
         touched = 0
         # Sorted, so that tenant creation and eviction inside a batch do not depend on record order.
         for name in sorted(groups, key=lambda n: (n is not None, n or "")):
             table = self.shared if name is None else self.tenant(name)
-            touched += self._add(table, groups[name])
+            index, group_requests = groups[name]
+            touched += self._add(table, steps.select(index), group_requests)
         self.counters.rows_touched += touched
         return touched
 
-    def _add(self, table: CandidateTable, records: list[dict]) -> int:
-        server_ids: dict[str, int] = {}
-        for name in sorted({r["server"] for r in records}):
-            server_ids[name] = len(server_ids)
-        steps = [r for r in records if r["kind"] == "step"]
-        requests = [r for r in records if r["kind"] == "request"]
+    def _add(self, table: CandidateTable, steps: StepColumns, requests: list[dict]) -> int:
+        names = sorted(set(steps.server) | {r["server"] for r in requests})
+        server_ids = {name: i for i, name in enumerate(names)}
         self.counters.steps += len(steps)
         self.counters.requests += len(requests)
         parts = []
-        if steps:
-            parts.append(step_evidence(steps, [server_ids[r["server"]] for r in steps], self.config.candidates))
+        if len(steps):
+            servers = np.array([server_ids[s] for s in steps.server], dtype=np.int64)
+            parts.append(step_evidence(steps, servers, self.config.candidates))
             self.counters.nodes += parts[-1].nodes
         if requests:
             servers = [server_ids[r["server"]] for r in requests]
@@ -395,7 +398,8 @@ class GraftDaemon:
             GraftState.from_file(path, vocab_size, config) if path.exists() else GraftState.fresh(vocab_size, config)
         )
         self._truncate_quarantine()
-        self.reader = LogReader(self.logs, self.state.offsets, vocab_size=vocab_size)
+        self.reader = LogReader(self.logs, self.state.offsets, vocab_size=vocab_size, raw=True)
+        self.decode = BatchDecoder(vocab_size)
         self.stop = threading.Event()
         self.version: int | None = None
         self._started = time.monotonic()
@@ -421,12 +425,17 @@ class GraftDaemon:
         self.state.counters.quarantined += len(errors)
 
     def step(self, items: list) -> int:
-        """Apply one batch of reader items; returns rows touched."""
-        records = [item[3] for item in items if not isinstance(item[3], RecordError)]
-        errors = [item[3] for item in items if isinstance(item[3], RecordError)]
+        """Apply one batch of reader items (raw lines, or the reader's own rejections); returns rows touched."""
+        lines = [(i, item[3]) for i, item in enumerate(items) if not isinstance(item[3], RecordError)]
+        decoded = self.decode([line for _, line in lines])
+        # The quarantine keeps the log's order: the reader's rejections and the decoder's, merged by position.
+        errors = [(i, item[3]) for i, item in enumerate(items) if isinstance(item[3], RecordError)]
+        for j, error in decoded.errors:
+            stem, offset = items[lines[j][0]][:2]
+            errors.append((lines[j][0], RecordError(error.reason, stem, offset)))
         if errors:
-            self._quarantine(errors)
-        touched = self.state.apply(records, len(items))
+            self._quarantine([error for _, error in sorted(errors, key=lambda e: e[0])])
+        touched = self.state.apply_decoded(decoded.steps, decoded.requests, len(items))
         self.state.offsets = dict(self.reader.offsets)
         return touched
 

@@ -11,24 +11,23 @@ Lines are read in bounded chunks, so an oversized line costs at most ``max_line_
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-import orjson
-
-from trainer.vlog.schema import MAX_LINE_BYTES, RecordError, validate
+from trainer.vlog.schema import MAX_LINE_BYTES, RecordError, decode
 from trainer.vlog.segments import FINISHED, PART, Segment, list_segments
 
-# (segment stem, offset of the line, offset after its newline, the record or why it was rejected)
-Item = tuple[str, int, int, dict | RecordError]
+# (segment stem, offset of the line, offset after its newline, the record (raw: the line) or why it was rejected)
+Item = tuple[str, int, int, dict | bytes | RecordError]
 
 
 class LogReader:
     """Iterating yields what is readable now and stops; ``follow`` keeps tailing. ``offsets`` (a copy of the
-    one given) advances past each yielded line."""
+    one given) advances past each yielded line. With ``raw`` a line comes as its bytes, for a consumer that
+    decodes batches itself (``trainer/vlog/columns.py``); lines over the limit and a truncated last line are
+    still ``RecordError``."""
 
     def __init__(
         self,
@@ -37,12 +36,14 @@ class LogReader:
         vocab_size: int | None = None,
         max_line_bytes: int = MAX_LINE_BYTES,
         chunk_bytes: int = 1 << 20,
+        raw: bool = False,
     ) -> None:
         self.directory = Path(directory)
         self.offsets = dict(offsets or {})
         self.vocab_size = vocab_size
         self.max_line_bytes = max_line_bytes
         self.chunk_bytes = chunk_bytes
+        self.raw = raw
 
     def __iter__(self) -> Iterator[Item]:
         for segment in list_segments(self.directory):
@@ -119,30 +120,10 @@ class LogReader:
     def _too_long(self, size: int) -> str:
         return f"line of {size} bytes exceeds the {self.max_line_bytes}-byte limit"
 
-    def _decode(self, line: bytes, key: str, offset: int) -> dict | RecordError:
+    def _decode(self, line: bytes, key: str, offset: int) -> bytes | dict | RecordError:
+        if self.raw:
+            return line
         try:
-            if not line.strip():
-                raise RecordError("empty line")
-            try:
-                obj = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                obj = _parse_slowly(line)
-            return validate(obj, self.vocab_size)
+            return decode(line, self.vocab_size)
         except RecordError as e:
             return RecordError(e.reason, key, offset)
-
-
-def _parse_slowly(line: bytes) -> object:
-    """The standard parser on what orjson refused: it accepts NaN/Infinity and integers beyond 64 bits (the
-    validator then names the field), and otherwise says what is wrong and where."""
-    try:
-        return json.loads(line)
-    except UnicodeDecodeError:
-        raise RecordError("line is not UTF-8") from None
-    except json.JSONDecodeError as e:
-        raise RecordError(f"not JSON: {e.msg} at column {e.colno}") from None
-    except ValueError as e:
-        # An integer literal beyond the interpreter's digit limit (sys.get_int_max_str_digits()).
-        raise RecordError(f"not JSON this reader can hold: {e}") from None
-    except RecursionError:
-        raise RecordError("JSON nested too deeply") from None

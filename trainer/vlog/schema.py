@@ -11,9 +11,12 @@ over whole lists at C speed (``map``/``set``/``min``/``max``) so a reader valida
 
 from __future__ import annotations
 
+import json
 import math
 from itertools import chain
 from operator import lt
+
+import orjson
 
 VERSION = 1
 KINDS = ("step", "request")
@@ -118,7 +121,8 @@ def _common(record: dict) -> None:
     _require(record, "shareable", (bool,))
 
 
-def _step(record: dict, vocab_size: int | None) -> None:
+def _step_scalars(record: dict, vocab_size: int | None) -> int:
+    """The step record's fields other than its lists and ``ms``; returns the budget."""
     _count(record, "step")
     _require(record, "drafter", (str, type(None)))
     _require(record, "drafter_version", (str, int, type(None)))
@@ -127,6 +131,29 @@ def _step(record: dict, vocab_size: int | None) -> None:
     _count(record, "pos")
     _token(record, "root", vocab_size)
     _token(record, "bonus", vocab_size)
+    return budget
+
+
+def _ms(record: dict) -> None:
+    ms = _require(record, "ms", (dict,))
+    for phase in PHASES:
+        value = _require(ms, phase, (float, int))
+        if not _finite(value) or value < 0:
+            raise RecordError(f"ms.{phase} = {_show(value)} is not a finite duration >= 0")
+
+
+def check_step_head(head: dict, vocab_size: int | None) -> int:
+    """The checks of ``validate`` on a step record's fields other than its five lists, for readers that take
+    the lists apart themselves (``trainer/vlog/columns.py``); returns the budget."""
+    _version(head)
+    _common(head)
+    budget = _step_scalars(head, vocab_size)
+    _ms(head)
+    return budget
+
+
+def _step(record: dict, vocab_size: int | None) -> None:
+    budget = _step_scalars(record, vocab_size)
 
     tokens = _require(record, "tokens", (list,))
     n = len(tokens)
@@ -174,12 +201,7 @@ def _step(record: dict, vocab_size: int | None) -> None:
         raise RecordError(f"topk_logprobs[{row}][{col}] is {_show(flat[row * k + col])}, not a finite log-prob")
     if max(flat) > LOGPROB_SLACK:
         raise RecordError(f"field 'topk_logprobs' holds {max(flat)} > 0: log-probs, not logits, are logged")
-
-    ms = _require(record, "ms", (dict,))
-    for phase in PHASES:
-        value = _require(ms, phase, (float, int))
-        if not _finite(value) or value < 0:
-            raise RecordError(f"ms.{phase} = {_show(value)} is not a finite duration >= 0")
+    _ms(record)
 
 
 def _request(record: dict, vocab_size: int | None) -> None:
@@ -197,6 +219,13 @@ def validate(obj: object, vocab_size: int | None = None) -> dict:
     against ``vocab_size`` when given. Fields beyond the v1 set are allowed and left alone."""
     if type(obj) is not dict:
         raise RecordError(f"a record is a JSON object, got {type(obj).__name__}")
+    _version(obj)
+    _common(obj)
+    (_step if obj["kind"] == "step" else _request)(obj, vocab_size)
+    return obj
+
+
+def _version(obj: dict) -> None:
     if "v" not in obj:
         raise RecordError("missing field 'v' (format version)")
     if type(obj["v"]) is not int or obj["v"] != VERSION:
@@ -204,9 +233,33 @@ def validate(obj: object, vocab_size: int | None = None) -> dict:
     kind = obj.get("kind")
     if kind not in KINDS:
         raise RecordError(f"unknown kind {_show(repr(kind))}; expected one of {list(KINDS)}")
-    _common(obj)
-    (_step if kind == "step" else _request)(obj, vocab_size)
-    return obj
+
+
+def decode(line: bytes, vocab_size: int | None = None) -> dict:
+    """One log line (without its newline) as a valid record, else ``RecordError`` with the reason."""
+    if not line.strip():
+        raise RecordError("empty line")
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        obj = _parse_slowly(line)
+    return validate(obj, vocab_size)
+
+
+def _parse_slowly(line: bytes) -> object:
+    """The standard parser on what orjson refused: it accepts NaN/Infinity and integers beyond 64 bits (the
+    validator then names the field), and otherwise says what is wrong and where."""
+    try:
+        return json.loads(line)
+    except UnicodeDecodeError:
+        raise RecordError("line is not UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise RecordError(f"not JSON: {e.msg} at column {e.colno}") from None
+    except ValueError as e:
+        # An integer literal beyond the interpreter's digit limit (sys.get_int_max_str_digits()).
+        raise RecordError(f"not JSON this reader can hold: {e}") from None
+    except RecursionError:
+        raise RecordError("JSON nested too deeply") from None
 
 
 def step_record(

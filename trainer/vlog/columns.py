@@ -1,0 +1,336 @@
+"""Step records as arrays, decoded without a Python object per number: the graft daemon's ingest path.
+
+``decode_batch(lines, vocab_size)`` gives for a batch of log lines what ``schema.decode`` gives line by line:
+every valid step record, every valid request record (a dict), and a ``RecordError`` with the reason for every
+other line; the valid step records come as one ``StepColumns``. A step line is parsed with simdjson, its five
+lists are copied straight into numpy buffers (``Array.as_buffer``) and the list checks of ``validate`` run
+vectorised over the whole batch; the other fields go through the validator's own checks
+(``schema.check_step_head``). A line this path cannot prove valid (a failed check, a duplicate key, a ``[``
+inside a string or an extra list field, a request record, any parse error) is decoded by ``schema.decode``, so
+the reference validator decides every rejection and its reason, and a line is accepted here only when it
+passes every check of ``validate`` with the same values (``tests/test_vlog_columns.py`` compares the two on
+mutated records). On CPU::
+
+    python -c "import orjson; from trainer.vlog.columns import decode_batch; \\
+        from trainer.vlog.schema import step_record; line = orjson.dumps(step_record(server='s', request='r', \\
+        tenant=None, shareable=True, step=0, drafter=None, drafter_version=None, tree='chain', budget=1, pos=0, \\
+        root=1, tokens=[2], parents=[-1], accepted=[0], bonus=3, topk_ids=[list(range(8))] * 2, \\
+        topk_logprobs=[[-1.0] * 8] * 2, ms={'draft': 0, 'tree': 0, 'verify': 1})); \\
+        print(decode_batch([line, b'{}'], vocab_size=8192))"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from typing import NamedTuple
+
+import numpy as np
+import simdjson
+
+from trainer.vlog.schema import LOGPROB_SLACK, MIN_TOPK, RecordError, check_step_head, decode
+
+# The step record's fields other than its five lists, as check_step_head reads them.
+_HEAD = ("v", "kind", "server", "request", "tenant", "shareable", "step", "drafter", "drafter_version", "tree",
+         "budget", "pos", "root", "bonus", "ms")  # fmt: skip
+
+
+@dataclass
+class StepColumns:
+    """``R`` valid step records and their verified nodes (per record the root, then its ``N`` draft nodes)."""
+
+    server: list[str]
+    tenant: list[str | None]
+    shareable: list[bool]
+    # Shape: (R + 1,) record r's nodes are rows[start[r]:start[r + 1]].
+    start: np.ndarray
+    # Shape: (nodes,) int64 token of every verified node.
+    rows: np.ndarray
+    # Shape: (R,) int64 top-k width of each record.
+    k: np.ndarray
+    # Shape: (R + 1,) record r's top-k entries are topk_ids[topk_start[r]:topk_start[r + 1]], row-major (node, k).
+    topk_start: np.ndarray
+    # Shape: (Σ nodes_r · k_r,) int64 ids and float64 log-probs.
+    topk_ids: np.ndarray
+    topk_logprobs: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.server)
+
+    @property
+    def nodes(self) -> int:
+        return self.rows.size
+
+    @classmethod
+    def empty(cls) -> StepColumns:
+        zero = np.zeros(1, dtype=np.int64)
+        none = np.zeros(0, dtype=np.int64)
+        return cls([], [], [], zero, none, none, zero, none, np.zeros(0, dtype=np.float64))
+
+    @classmethod
+    def from_records(cls, records: list[dict]) -> StepColumns:
+        """Valid step records (dicts, as ``validate`` passed them) as columns."""
+        if not records:
+            return cls.empty()
+        counts = np.array([len(r["tokens"]) + 1 for r in records], dtype=np.int64)
+        k = np.array([len(r["topk_ids"][0]) for r in records], dtype=np.int64)
+        rows = np.fromiter(chain.from_iterable(chain((r["root"],), r["tokens"]) for r in records), np.int64)
+        ids = np.fromiter(chain.from_iterable(chain.from_iterable(r["topk_ids"] for r in records)), np.int64)
+        logprobs = chain.from_iterable(chain.from_iterable(r["topk_logprobs"] for r in records))
+        return cls(
+            [r["server"] for r in records],
+            [r["tenant"] for r in records],
+            [r["shareable"] for r in records],
+            _offsets(counts),
+            rows,
+            k,
+            _offsets(counts * k),
+            ids,
+            np.fromiter(logprobs, np.float64),
+        )
+
+    def select(self, index: list[int] | np.ndarray) -> StepColumns:
+        """The records ``index`` (in that order)."""
+        index = np.asarray(index, dtype=np.int64)
+        if index.size == len(self) and np.array_equal(index, np.arange(len(self))):
+            return self
+        nodes = _ranges(self.start[index], self.start[index + 1])
+        entries = _ranges(self.topk_start[index], self.topk_start[index + 1])
+        k = self.k[index]
+        return StepColumns(
+            [self.server[i] for i in index],
+            [self.tenant[i] for i in index],
+            [self.shareable[i] for i in index],
+            _offsets(self.start[index + 1] - self.start[index]),
+            self.rows[nodes],
+            k,
+            _offsets(self.topk_start[index + 1] - self.topk_start[index]),
+            self.topk_ids[entries],
+            self.topk_logprobs[entries],
+        )
+
+    @classmethod
+    def concat(cls, parts: list[StepColumns]) -> StepColumns:
+        parts = [p for p in parts if len(p)]
+        if len(parts) <= 1:
+            return parts[0] if parts else cls.empty()
+        return cls(
+            [s for p in parts for s in p.server],
+            [t for p in parts for t in p.tenant],
+            [s for p in parts for s in p.shareable],
+            _offsets(np.concatenate([np.diff(p.start) for p in parts])),
+            np.concatenate([p.rows for p in parts]),
+            np.concatenate([p.k for p in parts]),
+            _offsets(np.concatenate([np.diff(p.topk_start) for p in parts])),
+            np.concatenate([p.topk_ids for p in parts]),
+            np.concatenate([p.topk_logprobs for p in parts]),
+        )
+
+
+@dataclass
+class Decoded:
+    """A batch of lines decoded: the valid step records, the valid request records, and the rejected lines as
+    ``(index of the line in the batch, reason)``."""
+
+    steps: StepColumns
+    requests: list[dict]
+    errors: list[tuple[int, RecordError]]
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def _ranges(start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+    """The concatenation of ``arange(start[i], stop[i])`` over i."""
+    lengths = stop - start
+    before = np.cumsum(lengths) - lengths
+    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(start - before, lengths)
+
+
+def _bad_per_segment(bad: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Per segment of ``counts`` consecutive entries of ``bad``: whether any is True."""
+    total = np.zeros(bad.size + 1, dtype=np.int64)
+    np.cumsum(bad, out=total[1:])
+    ends = _offsets(counts)
+    return total[ends[1:]] > total[ends[:-1]]
+
+
+class _Line(NamedTuple):
+    """What one step line's parse leaves for the vectorised checks (the buffers copied out of the document)."""
+
+    index: int
+    head: dict
+    n: int
+    k: int
+    m: int
+    # simdjson ArrayBuffers (the buffer protocol; no len).
+    tokens: object
+    parents: object
+    accepted: object
+    topk_ids: object
+    topk_logprobs: object
+
+
+class BatchDecoder:
+    """``decode_batch`` with one simdjson parser kept across batches."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._parser = simdjson.Parser()
+
+    def __call__(self, lines: list[bytes]) -> Decoded:
+        parsed: list[_Line] = []
+        slow: list[int] = []
+        for i, line in enumerate(lines):
+            item = self._parse(i, line)
+            (slow.append(i) if item is None else parsed.append(item))
+        steps, rejected = self._check(parsed)
+        slow.extend(rejected)
+        requests, errors, accepted = [], [], []
+        for i in sorted(slow):
+            try:
+                record = decode(lines[i], self.vocab_size)
+            except RecordError as e:
+                errors.append((i, e))
+                continue
+            (requests if record["kind"] == "request" else accepted).append(record)
+        if accepted:
+            steps = StepColumns.concat([steps, StepColumns.from_records(accepted)])
+        return Decoded(steps, requests, errors)
+
+    def _parse(self, index: int, line: bytes) -> _Line | None:
+        """The fields of a step line whose structure is exactly v1's, else None (the reference decides)."""
+        try:
+            doc = self._parser.parse(line)
+        except RuntimeError:
+            # A value of the previous document still referenced (an exception's traceback): a fresh parser.
+            self._parser = simdjson.Parser()
+            return None
+        except Exception:  # any parse failure: the reference parser says why
+            return None
+        try:
+            return _fields(index, line, doc, self.vocab_size)
+        except Exception:  # a field of an unexpected type or shape: the reference validator says which
+            return None
+        finally:
+            del doc
+
+    def _check(self, parsed: list[_Line]) -> tuple[StepColumns, list[int]]:
+        """The list checks of ``validate`` over all parsed lines at once; the columns of those that pass and
+        the indices of those that do not."""
+        if not parsed:
+            return StepColumns.empty(), []
+        vocab = self.vocab_size
+        n = np.array([p.n for p in parsed], dtype=np.int64)
+        k = np.array([p.k for p in parsed], dtype=np.int64)
+        m = np.array([p.m for p in parsed], dtype=np.int64)
+        entries = (n + 1) * k
+        tokens = np.frombuffer(bytearray().join(p.tokens for p in parsed), dtype=np.uint64)
+        parents = np.frombuffer(bytearray().join(p.parents for p in parsed), dtype=np.int64)
+        accepted = np.frombuffer(bytearray().join(p.accepted for p in parsed), dtype=np.int64)
+        ids = np.frombuffer(bytearray().join(p.topk_ids for p in parsed), dtype=np.uint64)
+        logprobs = np.frombuffer(bytearray().join(p.topk_logprobs for p in parsed), dtype=np.float64)
+        if (tokens.size, parents.size, accepted.size, ids.size) != (n.sum(), n.sum(), m.sum(), entries.sum()):
+            # _fields' bracket count rules this out; should it ever fail, the reference decides every line.
+            return StepColumns.empty(), [p.index for p in parsed]
+
+        bad = np.zeros(len(parsed), dtype=bool)
+
+        def reject(mask: np.ndarray, counts: np.ndarray) -> None:
+            # A clean batch (the usual case) costs one reduction per check.
+            if mask.any():
+                np.logical_or(bad, _bad_per_segment(mask, counts), out=bad)
+
+        reject(tokens >= vocab, n)
+        # Topological order: each parent is -1 (the root) or an earlier draft node.
+        node_start = _offsets(n)
+        local = np.arange(parents.size, dtype=np.int64) - np.repeat(node_start[:-1], n)
+        reject((parents < -1) | (parents >= local), n)
+        # The accepted path: draft nodes, each a child of the previous one (the first a child of the root).
+        record = np.repeat(np.arange(len(parsed)), m)
+        inside = (accepted >= 0) & (accepted < n[record])
+        previous = np.empty_like(accepted)
+        previous[1:] = accepted[:-1]
+        previous[_offsets(m)[:-1][m > 0]] = -1
+        at = np.clip(node_start[record] + accepted, 0, max(parents.size - 1, 0))
+        parent = parents[at] if parents.size else np.full_like(accepted, -2)
+        reject(~inside | (parent != previous), m)
+        reject(ids >= vocab, entries)
+        reject(~(logprobs <= LOGPROB_SLACK) | ~np.isfinite(logprobs), entries)
+
+        good = np.flatnonzero(~bad)
+        counts = n + 1
+        root_at = _offsets(counts)
+        rows = np.empty(int(root_at[-1]), dtype=np.int64)
+        is_root = np.zeros(rows.size, dtype=bool)
+        is_root[root_at[:-1]] = True
+        rows[is_root] = [p.head["root"] for p in parsed]
+        rows[~is_root] = tokens
+        columns = StepColumns(
+            [p.head["server"] for p in parsed],
+            [p.head["tenant"] for p in parsed],
+            [p.head["shareable"] for p in parsed],
+            root_at,
+            rows,
+            k,
+            _offsets(entries),
+            # Every id of a kept record is below the vocabulary size, so its bits read the same as int64.
+            ids.view(np.int64),
+            logprobs,
+        )
+        return columns.select(good), [parsed[i].index for i in np.flatnonzero(bad)]
+
+
+def _fields(index: int, line: bytes, doc: object, vocab_size: int) -> _Line | None:
+    Array, Object = simdjson.Array, simdjson.Object
+    if type(doc) is not Object or doc.get("kind") != "step":
+        return None
+    # orjson keeps a duplicate key's last value, simdjson finds its first: let the reference read such a line.
+    if len(set(doc.keys())) != len(doc):
+        return None
+    head = {name: doc[name] for name in _HEAD if name in doc}
+    ms = head.get("ms")
+    if type(ms) is Object:
+        head["ms"] = ms.as_dict()
+        if len(head["ms"]) != len(ms):
+            return None
+    del ms
+    budget = check_step_head(head, vocab_size)
+    tokens, parents, accepted = doc["tokens"], doc["parents"], doc["accepted"]
+    ids, logprobs = doc["topk_ids"], doc["topk_logprobs"]
+    if not type(tokens) is type(parents) is type(accepted) is type(ids) is type(logprobs) is Array:
+        return None
+    n = len(tokens)
+    if n > budget or len(parents) != n or len(ids) != n + 1 or len(logprobs) != n + 1:
+        return None
+    # len() below fails on a row that is not a list and as_buffer() on anything but numbers, so every row
+    # holds one bracket pair and this count holds exactly when no list is nested deeper than v1 says and no
+    # string or extra field holds a bracket. Then each buffer has as many numbers as its rows say.
+    if line.count(b"[") != 3 + 2 * (n + 2):
+        return None
+    widths = set(map(len, ids))
+    if len(widths) != 1 or set(map(len, logprobs)) != widths:
+        return None
+    k = widths.pop()
+    if k < MIN_TOPK:
+        return None
+    return _Line(
+        index,
+        head,
+        n,
+        k,
+        len(accepted),
+        tokens.as_buffer(of_type="u"),
+        parents.as_buffer(of_type="i"),
+        accepted.as_buffer(of_type="i"),
+        ids.as_buffer(of_type="u"),
+        logprobs.as_buffer(of_type="d"),
+    )
+
+
+def decode_batch(lines: list[bytes], vocab_size: int) -> Decoded:
+    """Decode and validate a batch of log lines (each without its newline); see the module docstring."""
+    return BatchDecoder(vocab_size)(lines)
