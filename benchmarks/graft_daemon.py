@@ -4,11 +4,12 @@ and a 152k one (Qwen3's 151,936).
 Stages, each timed alone on the same synthetic traffic (steady state: the table is warmed first):
 
 - aggregate: ``cap_per_replica`` + ``CandidateTable.add`` on evidence tensors (the daemon's own work);
-- evidence: parsed step records -> evidence tensors (``step_evidence``);
-- parse: JSON lines -> validated records (``LogReader``: ``orjson.loads`` + the shared validator);
-- end to end: ``GraftState.apply`` after parsing, i.e. all of the above;
-- json alone: ``orjson.loads`` of every line, nothing else: the ceiling of any ingest that turns lines into
-  Python objects, whatever the validator and the aggregation cost.
+- evidence: decoded step records -> evidence tensors (``step_evidence``);
+- parse: JSON lines -> validated step columns, as the daemon reads them (``LogReader(raw=True)`` and
+  ``trainer.vlog.columns.BatchDecoder``: simdjson buffers, list checks vectorised per batch);
+- end to end: parse, then ``GraftState.apply_decoded``, i.e. all of the above;
+- per-record validator: ``LogReader`` decoding every line to a dict with ``orjson.loads`` + ``schema.validate``
+  (the reference path, which other readers use); json alone: ``orjson.loads`` of every line, nothing else.
 
 Traffic: step records of ``--nodes`` verified nodes (root included), top-8 each, from 4 replicas; node tokens
 are Zipf-distributed over the vocabulary and their top-8 mostly follow a fixed successor function (as a real
@@ -20,20 +21,25 @@ target's would), with ``--noise`` of the ids random. On CPU::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import io
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from itertools import islice
 from pathlib import Path
 
+import numpy as np
 import orjson
 import torch
 from safetensors.torch import save_file
 
 from trainer.adapt.candidates import SCALE
-from trainer.adapt.graft import GraftConfig, GraftState, cap_per_replica, step_evidence
+from trainer.adapt.graft import GraftConfig, GraftState, cap_per_replica, run_graft, step_evidence
 from trainer.adapt.publish import ADJACENCY, ADJACENCY_TENSOR, publish
+from trainer.vlog.columns import BatchDecoder, StepColumns
 from trainer.vlog.reader import LogReader
 from trainer.vlog.schema import step_record
 
@@ -109,7 +115,8 @@ def measure(vocab: int, args: argparse.Namespace) -> dict[str, float]:
     for seed in range(1000, 1000 + args.warm_batches):
         batch = traffic(args.batch_records, args.nodes, vocab, args.noise, seed)
         warm.apply(batch, len(batch))
-    evidence = [step_evidence(b, s, config.candidates) for b, s in zip(batches, servers, strict=True)]
+    columns = [StepColumns.from_records(b) for b in batches]
+    evidence = [step_evidence(c, np.array(s), config.candidates) for c, s in zip(columns, servers, strict=True)]
     cap = round(config.replica_row_cap * SCALE)
     state = warm
 
@@ -119,12 +126,8 @@ def measure(vocab: int, args: argparse.Namespace) -> dict[str, float]:
             state.shared.add(e.rows, e.cands, weights, state.tick + i + 1)
 
     def convert() -> None:
-        for b, s in zip(batches, servers, strict=True):
-            step_evidence(b, s, config.candidates)
-
-    def apply() -> None:
-        for batch in batches:
-            state.apply(batch, len(batch))
+        for c, s in zip(columns, servers, strict=True):
+            step_evidence(c, np.array(s), config.candidates)
 
     def fresh_copy() -> None:
         nonlocal state
@@ -137,7 +140,20 @@ def measure(vocab: int, args: argparse.Namespace) -> dict[str, float]:
         lines = "".join(orjson.dumps(r).decode() + "\n" for b in batches for r in b)
         (logs / "bench-000000-1.jsonl").write_text(lines)
 
+        decoder = BatchDecoder(vocab)
+        decoded = []
+
         def parse() -> None:
+            decoded.clear()
+            reader = iter(LogReader(logs, vocab_size=vocab, raw=True))
+            while batch := list(islice(reader, args.batch_records)):
+                decoded.append((decoder([item[3] for item in batch]), len(batch)))
+
+        def apply() -> None:
+            for d, lines_in_batch in decoded:
+                state.apply_decoded(d.steps, d.requests, lines_in_batch)
+
+        def validator() -> None:
             for _ in LogReader(logs, vocab_size=vocab):
                 pass
 
@@ -152,6 +168,7 @@ def measure(vocab: int, args: argparse.Namespace) -> dict[str, float]:
             "evidence": best_seconds(convert, args.repeats),
             "parse": best_seconds(parse, args.repeats),
             "apply": best_seconds(apply, args.repeats, fresh_copy),
+            "validator": best_seconds(validator, args.repeats),
             "json": best_seconds(loads, args.repeats),
         }
         adjacency_s = best_seconds(lambda: state.shared.adjacency(config.width), args.repeats)
@@ -165,6 +182,27 @@ def measure(vocab: int, args: argparse.Namespace) -> dict[str, float]:
             publish_s.append(time.perf_counter() - start)
         publish_s = statistics.median(publish_s)
         mb = len(lines) / 1e6
+
+        # The daemon itself, wall clock: a --once run over the same lines repeated --daemon-copies times (one
+        # segment each), with and without decode workers; the state is committed once, at the end.
+        daemon_logs = Path(tmp) / "daemon_logs"
+        daemon_logs.mkdir()
+        for copy_ in range(args.daemon_copies):
+            (daemon_logs / f"bench-{copy_:06d}-{1000 + copy_}.jsonl").write_text(lines)
+        vocab_file = Path(tmp) / "target"
+        vocab_file.mkdir()
+        (vocab_file / "config.json").write_text(f'{{"vocab_size": {vocab}}}')
+        daemon = {}
+        for workers in (0, 1, 2):
+            walls = []
+            for r in range(args.repeats):
+                out = Path(tmp) / f"daemon{workers}_{r}"
+                start = time.perf_counter()
+                with contextlib.redirect_stdout(io.StringIO()):
+                    run_graft(daemon_logs, out, vocab_file, once=True, config=config, commit_seconds=1e9,
+                              decode_workers=workers)  # fmt: skip
+                walls.append(time.perf_counter() - start)
+            daemon[workers] = nodes * args.daemon_copies / statistics.median(walls)
     return {
         "nodes": nodes,
         "log_mb": mb,
@@ -172,10 +210,12 @@ def measure(vocab: int, args: argparse.Namespace) -> dict[str, float]:
         "evidence": nodes / times["evidence"],
         "parse": nodes / times["parse"],
         "end_to_end": nodes / (times["parse"] + times["apply"]),
+        "validator": nodes / times["validator"],
         "json": nodes / times["json"],
         "adjacency_ms": adjacency_s * 1e3,
         "publish_ms": publish_s * 1e3,
         "rows_held": state.shared.held(),
+        "daemon": daemon,
     }
 
 
@@ -188,6 +228,7 @@ def main() -> None:
     p.add_argument("--warm-batches", type=int, default=4, help="batches of other traffic applied first")
     p.add_argument("--noise", type=float, default=0.2, help="share of top-k ids that are random")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--daemon-copies", type=int, default=4, help="copies of the measured lines the daemon reads")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="CPU time of this process, or wall time")
     args = p.parse_args()
     global CLOCK
@@ -197,9 +238,10 @@ def main() -> None:
         f"{args.batches} batches x {args.batch_records} step records x {args.nodes} nodes, top-8, 4 replicas; "
         f"{args.clock} time, one thread"
     )
-    stages = ("aggregate", "evidence", "parse", "end_to_end", "json")
+    stages = ("aggregate", "evidence", "parse", "end_to_end", "validator", "json")
     header = (
-        f"{'V':>8} {'aggregate':>12} {'evidence':>12} {'parse':>12} {'end to end':>12} {'json alone':>12}  (nodes/s)"
+        f"{'V':>8} {'aggregate':>12} {'evidence':>12} {'parse':>12} {'end to end':>12} {'per-record':>12} "
+        f"{'json alone':>12}  (nodes/s)"
     )
     print(header)
     results = {}
@@ -207,13 +249,17 @@ def main() -> None:
         r = results[vocab] = measure(vocab, args)
         rates = " ".join(f"{r[k]:>12,.0f}" for k in stages)
         print(f"{vocab:>8} {rates}")
+    print("\nthe daemon, a --once run (wall clock, nodes/s; reading, decoding, aggregating, one commit and a publish)")
+    print(f"{'V':>8} {'in-process':>12} {'1 worker':>12} {'2 workers':>12}")
+    for vocab, r in results.items():
+        print(f"{vocab:>8} " + " ".join(f"{r['daemon'][w]:>12,.0f}" for w in (0, 1, 2)))
     print("\nshare of end-to-end time per stage, and publish latency")
     for vocab, r in results.items():
         total = 1 / r["end_to_end"]
         shares = {k: (1 / r[k]) / total for k in ("parse", "evidence", "aggregate")}
         print(
             f"V={vocab}: parse {shares['parse']:.0%} · evidence {shares['evidence']:.0%} · aggregate "
-            f"{shares['aggregate']:.0%} · json alone {(1 / r['json']) / total:.0%} · "
+            f"{shares['aggregate']:.0%} · per-record validator {(1 / r['validator']) / total:.0%} · "
             f"aggregate/parse speed {r['aggregate'] / r['parse']:.1f}x · "
             f"adjacency {r['adjacency_ms']:.1f} ms + publish {r['publish_ms']:.1f} ms (wall) "
             f"({r['rows_held']} rows held)"

@@ -34,6 +34,7 @@ from trainer.adapt.publish import (
 from trainer.errors import UserError
 from trainer.vlog.schema import request_record, step_record
 from trainer.vlog.segments import stem
+from trainer.vlog.workers import Decoding
 
 
 def _adjacency_payload(adjacency: torch.Tensor, deltas: dict[str, torch.Tensor] | None = None):
@@ -541,6 +542,46 @@ def test_sigkill_then_restart_publishes_the_uninterrupted_matrix(tmp_path, targe
         proc.kill()
         proc.wait()
     check(pub)
+
+
+def test_decode_workers_publish_what_in_process_decoding_publishes(tmp_path, target):
+    """Full batches go to worker processes, short ones are decoded in the daemon: the published matrices, the
+    quarantine and the counters are those of a daemon that decodes everything itself."""
+    logs = tmp_path / "logs"
+    make_logs(logs, segments=2)
+    config = GraftConfig(batch_records=16, rows=400, tenant_rows=40)
+    results = []
+    for workers in (0, 2):
+        pub = tmp_path / f"workers{workers}"
+        run_graft(logs, pub, target, once=True, config=config, commit_seconds=0, decode_workers=workers)
+        metrics = json.loads((pub / ".state" / METRICS).read_text())
+        counts = {k: metrics[k] for k in ("lines", "records", "nodes", "quarantined", "rows_touched")}
+        results.append((adjacencies(pub), (pub / ".state" / QUARANTINE).read_text(), counts))
+    (m0, q0, c0), (m2, q2, c2) = results
+    assert all(torch.equal(m0[t], m2[t]) for t in m0)
+    assert q0 == q2 and q0.count("\n") == c0["quarantined"] == 4
+    assert c0 == c2
+
+
+def test_a_dead_decode_worker_costs_only_time():
+    """Batches held by a worker that dies are decoded in the daemon's process; the workers start again."""
+    decoding = Decoding(V, workers=1)
+    rng = random.Random(1)
+    lines = [json.dumps(step(rng)).encode() for _ in range(5)] + [b"{"]
+    try:
+        first, second = decoding.submit(lines), decoding.submit(lines[:2])
+        assert len(decoding.result(first).steps) == 5
+        second.worker.kill()
+        assert len(decoding.result(second).steps) == 2
+        third = decoding.submit(lines)
+        assert third.worker is not None and third.worker.poll() is None
+        decoded = decoding.result(third)
+        assert len(decoded.steps) == 5 and [i for i, _ in decoded.errors] == [5]
+    finally:
+        decoding.close()
+    assert not decoding._procs
+    with pytest.raises(UserError, match="--decode-workers must be >= 0"):
+        Decoding(V, workers=-1)
 
 
 def test_cli_names_a_bad_log_directory(tmp_path, capsys):

@@ -51,6 +51,12 @@ def graft_parser() -> ArgumentParser:
     t.add_argument("--publish-seconds", type=float, default=30.0, help="snapshots are published at most this often")
     t.add_argument("--poll-seconds", type=float, default=0.5, help="idle wait between looks at the log directory")
     t.add_argument("--keep", type=int, default=5, help="published versions kept on disk")
+    t.add_argument(
+        "--decode-workers",
+        type=int,
+        default=1,
+        help="processes that decode log lines while the daemon aggregates (0: decode in the daemon's process)",
+    )
     return p
 
 
@@ -115,4 +121,5 @@ def main(argv: list[str]) -> None:
         args.publish_seconds,
         args.poll_seconds,
         args.keep,
+        decode_workers=args.decode_workers,
     )

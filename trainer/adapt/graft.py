@@ -40,6 +40,7 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from itertools import chain, islice
@@ -66,9 +67,10 @@ from trainer.adapt.publish import (
 from trainer.errors import UserError
 from trainer.io import atomic_path, write_text_atomic
 from trainer.paths import project_path
-from trainer.vlog.columns import BatchDecoder, StepColumns
+from trainer.vlog.columns import Decoded, StepColumns
 from trainer.vlog.reader import LogReader
 from trainer.vlog.schema import RecordError
+from trainer.vlog.workers import Decoding
 
 STATE_FILE = "state.safetensors"
 QUARANTINE = "quarantine.jsonl"
@@ -361,6 +363,11 @@ class GraftState:
         return state
 
 
+def lines_of(batch: list) -> list[bytes]:
+    """The raw lines of a batch of reader items (the reader's own rejections left out)."""
+    return [item[3] for item in batch if not isinstance(item[3], RecordError)]
+
+
 class StateError(UserError):
     """The state directory cannot be written; the message says which file and why."""
 
@@ -381,6 +388,7 @@ class GraftDaemon:
         poll_seconds: float = 0.5,
         keep: int = 5,
         console: Console | None = None,
+        decode_workers: int = 1,
     ) -> None:
         if not Path(logs).is_dir():
             raise UserError(f"--logs {logs} is not a directory (a server or `trainer eval --logs` writes one)")
@@ -399,7 +407,7 @@ class GraftDaemon:
         )
         self._truncate_quarantine()
         self.reader = LogReader(self.logs, self.state.offsets, vocab_size=vocab_size, raw=True)
-        self.decode = BatchDecoder(vocab_size)
+        self.decoder = Decoding(vocab_size, decode_workers)
         self.stop = threading.Event()
         self.version: int | None = None
         self._started = time.monotonic()
@@ -407,7 +415,8 @@ class GraftDaemon:
         self._nodes_at_start = self.state.counters.nodes
 
     def close(self) -> None:
-        """Release the state directory."""
+        """Stop the decode workers and release the state directory."""
+        self.decoder.close()
         self._lock.close()
 
     def _truncate_quarantine(self) -> None:
@@ -424,19 +433,22 @@ class GraftDaemon:
             raise StateError(f"cannot append to {path}: {e.strerror}; restart once it is writable") from e
         self.state.counters.quarantined += len(errors)
 
-    def step(self, items: list) -> int:
-        """Apply one batch of reader items (raw lines, or the reader's own rejections); returns rows touched."""
-        lines = [(i, item[3]) for i, item in enumerate(items) if not isinstance(item[3], RecordError)]
-        decoded = self.decode([line for _, line in lines])
+    def step(self, items: list, decoded: Decoded | None = None, offsets: dict[str, int] | None = None) -> int:
+        """Apply one batch of reader items (raw lines, or the reader's own rejections), ``decoded`` already when a
+        worker decoded it; ``offsets`` are the reader's right after the batch (default: where it is now).
+        Returns rows touched."""
+        lines = [i for i, item in enumerate(items) if not isinstance(item[3], RecordError)]
+        if decoded is None:
+            decoded = self.decoder.decode([items[i][3] for i in lines])
         # The quarantine keeps the log's order: the reader's rejections and the decoder's, merged by position.
         errors = [(i, item[3]) for i, item in enumerate(items) if isinstance(item[3], RecordError)]
         for j, error in decoded.errors:
-            stem, offset = items[lines[j][0]][:2]
-            errors.append((lines[j][0], RecordError(error.reason, stem, offset)))
+            stem, offset = items[lines[j]][:2]
+            errors.append((lines[j], RecordError(error.reason, stem, offset)))
         if errors:
             self._quarantine([error for _, error in sorted(errors, key=lambda e: e[0])])
         touched = self.state.apply_decoded(decoded.steps, decoded.requests, len(items))
-        self.state.offsets = dict(self.reader.offsets)
+        self.state.offsets = dict(self.reader.offsets if offsets is None else offsets)
         return touched
 
     def commit(self) -> None:
@@ -524,6 +536,22 @@ class GraftDaemon:
                 yield batch
             yield []
 
+    def _decoded_batches(self) -> Iterator[tuple[list, Decoded | None, dict[str, int]]]:
+        """``_batches`` with each batch's decoding (None: decode it in this process) and the reader's offsets
+        after it. While the log is busy, full batches are handed to the decode workers ``Decoding.ahead`` at a
+        time, so they decode the next batches while this process aggregates; a short or empty batch waits
+        until all before it are out."""
+        ahead: deque = deque()
+        size = self.state.config.batch_records
+        for batch in self._batches():
+            pending = self.decoder.submit(lines_of(batch)) if len(batch) == size else None
+            ahead.append((batch, pending, dict(self.reader.offsets)))
+            if pending is not None and len(ahead) < self.decoder.ahead:
+                continue
+            while ahead and (len(ahead) >= self.decoder.ahead or ahead[-1][1] is None):
+                batch, pending, offsets = ahead.popleft()
+                yield batch, (None if pending is None else self.decoder.result(pending)), offsets
+
     def _prune_offsets(self) -> None:
         """Forget segments removed from the log directory (retention), so the state does not grow forever."""
         present = {n.removesuffix(".part").removesuffix(".jsonl") for n in os.listdir(self.logs)}
@@ -549,9 +577,9 @@ class GraftDaemon:
             needs_publish = True
         last_commit, last_publish = time.monotonic(), float("-inf")
         dirty = False
-        for batch in self._batches():
+        for batch, decoded, offsets in self._decoded_batches():
             if batch:
-                self.step(batch)
+                self.step(batch, decoded, offsets)
                 dirty = needs_publish = True
             if self.stop.is_set() or (once and not batch):
                 break
@@ -589,6 +617,7 @@ def run_graft(
     publish_seconds: float = 30.0,
     poll_seconds: float = 0.5,
     keep: int = 5,
+    decode_workers: int = 1,
 ) -> int:
     """The ``trainer adapt graft`` command: SIGTERM/SIGINT finish the batch, persist, publish, exit 0."""
     daemon = GraftDaemon(
@@ -601,6 +630,7 @@ def run_graft(
         publish_seconds,
         poll_seconds,
         keep,
+        decode_workers=decode_workers,
     )
     try:
         return run_until_signalled(daemon.stop, lambda: daemon.run(once))
