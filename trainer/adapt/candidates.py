@@ -15,7 +15,7 @@ evidence is applied as one unit, at one tick (the caller's clock; the daemon cou
 The result of a batch depends on the batch's evidence as a multiset, not on its order: scores are integers
 (sums are exact in any order), every sort is stable on a deterministic key. So replaying the same batches
 gives bit-identical tables, which is what a restart after SIGKILL relies on. Memory is R·(12·C + 16) bytes +
-V·4, fixed at construction whatever the traffic.
+V·4, fixed at construction whatever the traffic; a batch's scratch is R·9 bytes plus a few times its own size.
 
 Try it::
 
@@ -81,30 +81,24 @@ class CandidateTable:
     def add(self, rows: torch.Tensor, cands: torch.Tensor, weights: torch.Tensor, tick: int) -> int:
         """Apply one batch: ``rows`` (N,) tokens, ``cands`` (N, K) successors (-1 = padding), ``weights``
         (N, K) int64 in ``SCALE`` units. ``tick`` increases from batch to batch. Returns the rows touched."""
-        # Candidate-major copies, shape (K, N): every elementwise pass runs over N contiguous nodes.
-        node_rows = np.asarray(rows.numpy(), dtype=np.int64)
-        cand = np.ascontiguousarray(cands.numpy().T)
-        weight = np.ascontiguousarray(weights.numpy().T)
-        live = (cand >= 0) & (weight > 0)
-        keep = live.any(axis=0)
+        rows, cands, weights = np.asarray(rows.numpy(), dtype=np.int64), cands.numpy(), weights.numpy()
+        live = (cands >= 0) & (weights > 0)
+        keep = torch.from_numpy(live).any(dim=1).numpy()
         if not keep.all():
-            node_rows, cand, weight, live = node_rows[keep], cand[:, keep], weight[:, keep], live[:, keep]
-        if node_rows.size:
-            node_rows, cand, weight, live = self._allocate(node_rows, cand, weight, live, tick)
-        if node_rows.size == 0:
+            rows, cands, weights, live = rows[keep], cands[keep], weights[keep], live[keep]
+        if rows.size:
+            rows, cands, weights, live = self._allocate(rows, cands, weights, live, tick)
+        if rows.size == 0:
             return 0
-        # Live candidates are token ids (< V < 2**23): int32 halves the comparison's memory traffic.
-        cand = cand.astype(np.int32)
-        node_slots = self.slot.numpy()[node_rows]
+        node_slots = self.slot.numpy()[rows]
         held = np.zeros(self.row.shape[0], dtype=bool)
         held[node_slots] = True
         touched = np.flatnonzero(held)
         # The batch works on a copy of its touched rows, renumbered 0..T-1 (``local``), written back once.
         local = np.empty(self.row.shape[0], dtype=np.int64)
         local[touched] = np.arange(touched.size)
-        node_local = local[node_slots]
         ids, score = self.ids.numpy()[touched], self._decayed(touched, tick)
-        self._merge(ids, score, node_local, cand, weight, live)
+        self._merge(ids, score, local[node_slots], cands, weights, live)
         np.minimum(score, _MAX_SCORE, out=score)
         self.ids.numpy()[touched] = ids
         self.score.numpy()[touched] = score
@@ -113,8 +107,7 @@ class CandidateTable:
     def _allocate(
         self, rows: np.ndarray, cands: np.ndarray, weights: np.ndarray, live: np.ndarray, tick: int
     ) -> tuple[np.ndarray, ...]:
-        """Give every new row a slot, evicting least recently touched rows; drop what cannot be held.
-        ``cands``, ``weights`` and ``live`` are candidate-major (K, N)."""
+        """Give every new row a slot, evicting least recently touched rows; drop what cannot be held."""
         slot, row, touched = self.slot.numpy(), self.row.numpy(), self.touched.numpy()
         new_mask = slot[rows] < 0
         if not new_mask.any():
@@ -133,16 +126,15 @@ class CandidateTable:
             self.score.numpy()[evict] = 0
             free = np.flatnonzero(row < 0)
         if new.size > free.size:
-            node_w = (weights[:, new_mask] * live[:, new_mask]).sum(axis=0)
             total = np.zeros(new.size, dtype=np.int64)
-            np.add.at(total, inverse, node_w)
+            np.add.at(total, inverse, (weights[new_mask] * live[new_mask]).sum(axis=1))
             admitted = np.zeros(new.size, dtype=bool)
             # Heaviest first, ties: smaller token id (new tokens are distinct: a total order).
             admitted[np.lexsort((new, -total))[: free.size]] = True
             self.dropped += int(total[~admitted].sum())
             keep = np.ones(rows.size, dtype=bool)
             keep[new_mask] = admitted[inverse]
-            rows, cands, weights, live = rows[keep], cands[:, keep], weights[:, keep], live[:, keep]
+            rows, cands, weights, live = rows[keep], cands[keep], weights[keep], live[keep]
             new = new[admitted]
         taken = free[: new.size]
         slot[new] = taken
@@ -166,46 +158,49 @@ class CandidateTable:
         ids: np.ndarray,
         score: np.ndarray,
         node_local: np.ndarray,
-        cand: np.ndarray,
-        weight: np.ndarray,
+        cands: np.ndarray,
+        weights: np.ndarray,
         live: np.ndarray,
     ) -> None:
         """Add a batch to the touched rows ``ids``, ``score`` (T, C), in place; ``node_local`` (N,) is each node's
-        row in them, ``cand``, ``weight``, ``live`` (K, N) its candidates."""
+        row in them, ``cands``, ``weights``, ``live`` (N, K) its candidates."""
         T, C, V = ids.shape[0], self.candidates, self.vocab_size
-        K, N = cand.shape
+        N, K = cands.shape
         # Column + 1 of each candidate in its row, 0 when not held (a row holds an id at most once, and a live id
-        # never equals an empty column's -1). Shape: (K, N).
-        column = np.empty((K, N), dtype=np.uint8 if C < 256 else np.int32)
-        weights_of_column = np.arange(1, C + 1, dtype=column.dtype)[:, None, None]
+        # never equals an empty column's -1), found by comparing candidate-major (K, n) blocks with the nodes' row
+        # ids (C, n): every pass runs over n contiguous nodes. Live ids are < V < 2**23: int32 is exact, and dead
+        # entries are masked by ``live`` whatever their cast value.
+        by_k = np.ascontiguousarray(cands.T, dtype=np.int32)
         ids_by_column = np.ascontiguousarray(ids.T)
+        column_by_k = np.empty((K, N), dtype=np.uint8 if C < 256 else np.int32)
+        column_weights = np.arange(1, C + 1, dtype=column_by_k.dtype)[:, None, None]
         hits = np.empty((C, K, min(N, _MATCH_NODES)), dtype=bool)
         for start in range(0, N, _MATCH_NODES):
             nodes = slice(start, start + _MATCH_NODES)
-            # ``take`` keeps (C, n) C-contiguous (``[:, index]`` would not), so every pass below is contiguous.
+            # ``take`` keeps (C, n) C-contiguous (``[:, index]`` would not).
             row_ids = np.take(ids_by_column, node_local[nodes], axis=1)
             chunk_hits = hits[:, :, : row_ids.shape[1]]
-            np.equal(row_ids[:, None, :], cand[None, :, nodes], out=chunk_hits)
-            np.max(chunk_hits * weights_of_column, axis=0, out=column[:, nodes])
-        # Held candidates: add their weights (dead ones weigh 0), the rest goes to one spare cell.
+            np.equal(row_ids[:, None, :], by_k[None, :, nodes], out=chunk_hits)
+            np.max(chunk_hits * column_weights, axis=0, out=column_by_k[:, nodes])
+        column = np.ascontiguousarray(column_by_k.T).reshape(-1)
+        # Flat (N * K) positions of the live entries, held or not; position ``p`` belongs to node ``p // K``.
         found = column > 0
-        cell = np.where(found, node_local * C + column.astype(np.int64) - 1, T * C)
-        flat = np.zeros(T * C + 1, dtype=np.int64)
-        flat[:-1] = score.reshape(-1)
-        torch.from_numpy(flat).scatter_add_(
-            0, torch.from_numpy(cell.reshape(-1)), torch.from_numpy(np.where(live, weight, 0).reshape(-1))
-        )
-        score[:] = flat[:-1].reshape(T, C)
-        fresh_k, fresh_n = np.nonzero(live & ~found)
-        if fresh_k.size == 0:
+        live = live.reshape(-1)
+        held_at = np.flatnonzero(live & found)
+        fresh_at = np.flatnonzero(live & ~found)
+        cands, weights = cands.reshape(-1), weights.reshape(-1)
+        cell = node_local[held_at // K] * C + column[held_at] - 1
+        np.add.at(score.reshape(-1), cell, weights[held_at])
+        if fresh_at.size == 0:
             return
-        # Candidates not held, summed per (row, token) key; ``pairs`` comes out sorted, so row-major.
-        keys = node_local[fresh_n] * V + cand[fresh_k, fresh_n]
-        keys, order = torch.sort(torch.from_numpy(keys))
+        # Candidates not held, summed per (row, token) key; ``pairs`` comes out sorted, so row-major. Keys fit
+        # int32 in most batches, which halves the sort.
+        keys = node_local[fresh_at // K] * V + cands[fresh_at]
+        keys, order = torch.sort(torch.from_numpy(keys.astype(np.int32) if T * V <= 1 << 31 else keys))
         keys = keys.numpy()
         starts = _segment_starts(keys)
-        pairs = keys[starts]
-        pair_w = np.add.reduceat(weight[fresh_k, fresh_n][order.numpy()], starts)
+        pairs = keys[starts].astype(np.int64)
+        pair_w = np.add.reduceat(weights[fresh_at][order.numpy()], starts)
         new_row, new_id = pairs // V, pairs % V
         # New candidates compete with their row's held ones; each affected row keeps its C best. One stable
         # sort on (row, score descending): ties keep the held candidate, then the smaller token id.
@@ -223,23 +218,23 @@ class CandidateTable:
         new_local = np.zeros(new_row.size, dtype=np.int64)
         new_local[first[1:]] = 1
         np.cumsum(new_local, out=new_local)
-        old_ids, old_score = ids[rebuilt], score[rebuilt]  # Shape: (A, C)
-        occupied = occupied[rebuilt]
-        all_row = np.concatenate([np.broadcast_to(np.arange(A)[:, None], (A, C))[occupied], new_local])
-        all_id = np.concatenate([old_ids[occupied], new_id.astype(np.int32)])
-        all_score = np.concatenate([old_score[occupied], new_w])
+        held_cell = np.flatnonzero(occupied[rebuilt])  # flat (A * C) positions of the held candidates
+        all_row = np.concatenate([held_cell // C, new_local])
+        all_id = np.concatenate([ids[rebuilt].reshape(-1)[held_cell], new_id.astype(np.int32)])
+        all_score = np.concatenate([score[rebuilt].reshape(-1)[held_cell], new_w])
         key = (all_row << _SCORE_BITS) | (_SCORE_MASK - np.minimum(all_score, _SCORE_MASK))
         order = torch.sort(torch.from_numpy(key), stable=True).indices.numpy()
         all_row, all_id, all_score = all_row[order], all_id[order], all_score[order]
         counts = np.bincount(all_row, minlength=A)
-        position = np.arange(all_row.size) - np.repeat(np.cumsum(counts) - counts, counts)
-        kept = position < C
-        rows_ids = np.full((A, C), -1, dtype=np.int32)
-        rows_score = np.zeros((A, C), dtype=np.int64)
-        rows_ids[all_row[kept], position[kept]] = all_id[kept]
-        rows_score[all_row[kept], position[kept]] = all_score[kept]
-        ids[rebuilt] = rows_ids
-        score[rebuilt] = rows_score
+        rank = np.arange(all_row.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        kept = rank < C
+        cell = all_row[kept] * C + rank[kept]
+        rows_ids = np.full(A * C, -1, dtype=np.int32)
+        rows_score = np.zeros(A * C, dtype=np.int64)
+        rows_ids[cell] = all_id[kept]
+        rows_score[cell] = all_score[kept]
+        ids[rebuilt] = rows_ids.reshape(A, C)
+        score[rebuilt] = rows_score.reshape(A, C)
 
     def best(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, successors)``: the held rows with a live candidate, ascending, and their ``width`` best
