@@ -15,7 +15,7 @@ evidence is applied as one unit, at one tick (the caller's clock; the daemon cou
 The result of a batch depends on the batch's evidence as a multiset, not on its order: scores are integers
 (sums are exact in any order), every sort is stable on a deterministic key. So replaying the same batches
 gives bit-identical tables, which is what a restart after SIGKILL relies on. Memory is R·(12·C + 16) bytes +
-V·4, fixed at construction whatever the traffic.
+V·4, fixed at construction whatever the traffic; a batch's scratch is R·9 bytes plus a few times its own size.
 
 Try it::
 
@@ -26,6 +26,7 @@ Try it::
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 # Fixed-point unit of evidence: probability 1.0.
@@ -39,12 +40,14 @@ _SCORE_BITS = 40
 _SCORE_MASK = (1 << _SCORE_BITS) - 1
 
 
-def _stable_order(*keys: torch.Tensor) -> torch.Tensor:
-    """Permutation sorting by ``keys[0]`` ascending, ties by ``keys[1]``, ...: stable sorts, last key first."""
-    order = torch.arange(keys[0].numel())
-    for key in reversed(keys):
-        order = order[torch.sort(key[order], stable=True).indices]
-    return order
+# Held candidates are matched against a batch this many nodes at a time: the (C, K, nodes) comparison stays
+# a few MB whatever the batch size.
+_MATCH_NODES = 8192
+
+
+def _segment_starts(sorted_keys: np.ndarray) -> np.ndarray:
+    """Index of the first element of every run of equal values in ``sorted_keys`` (non-empty)."""
+    return np.flatnonzero(np.concatenate([[True], sorted_keys[1:] != sorted_keys[:-1]]))
 
 
 class CandidateTable:
@@ -78,117 +81,160 @@ class CandidateTable:
     def add(self, rows: torch.Tensor, cands: torch.Tensor, weights: torch.Tensor, tick: int) -> int:
         """Apply one batch: ``rows`` (N,) tokens, ``cands`` (N, K) successors (-1 = padding), ``weights``
         (N, K) int64 in ``SCALE`` units. ``tick`` increases from batch to batch. Returns the rows touched."""
+        rows, cands, weights = np.asarray(rows.numpy(), dtype=np.int64), cands.numpy(), weights.numpy()
         live = (cands >= 0) & (weights > 0)
-        keep = live.any(dim=1)
-        rows, cands, weights, live = rows[keep].long(), cands[keep].long(), weights[keep], live[keep]
-        if rows.numel():
+        keep = torch.from_numpy(live).any(dim=1).numpy()
+        if not keep.all():
+            rows, cands, weights, live = rows[keep], cands[keep], weights[keep], live[keep]
+        if rows.size:
             rows, cands, weights, live = self._allocate(rows, cands, weights, live, tick)
-        if rows.numel() == 0:
+        if rows.size == 0:
             return 0
-        node_slots = self.slot[rows].long()
-        touched = torch.unique(node_slots)
-        self._decay(touched, tick)
-        # Observation keys slot * V + candidate, -1 for padding. Shape: (N * K,).
-        keys = torch.where(live, node_slots[:, None] * self.vocab_size + cands, -1).view(-1)
-        self._merge(keys, weights.reshape(-1))
-        self.score[touched] = self.score[touched].clamp(max=_MAX_SCORE)
-        return touched.numel()
+        node_slots = self.slot.numpy()[rows]
+        held = np.zeros(self.row.shape[0], dtype=bool)
+        held[node_slots] = True
+        touched = np.flatnonzero(held)
+        # The batch works on a copy of its touched rows, renumbered 0..T-1 (``local``), written back once.
+        local = np.empty(self.row.shape[0], dtype=np.int64)
+        local[touched] = np.arange(touched.size)
+        ids, score = self.ids.numpy()[touched], self._decayed(touched, tick)
+        self._merge(ids, score, local[node_slots], cands, weights, live)
+        np.minimum(score, _MAX_SCORE, out=score)
+        self.ids.numpy()[touched] = ids
+        self.score.numpy()[touched] = score
+        return touched.size
 
     def _allocate(
-        self, rows: torch.Tensor, cands: torch.Tensor, weights: torch.Tensor, live: torch.Tensor, tick: int
-    ) -> tuple[torch.Tensor, ...]:
+        self, rows: np.ndarray, cands: np.ndarray, weights: np.ndarray, live: np.ndarray, tick: int
+    ) -> tuple[np.ndarray, ...]:
         """Give every new row a slot, evicting least recently touched rows; drop what cannot be held."""
-        new_mask = self.slot[rows] < 0
+        slot, row, touched = self.slot.numpy(), self.row.numpy(), self.touched.numpy()
+        new_mask = slot[rows] < 0
         if not new_mask.any():
             return rows, cands, weights, live
-        new, inverse = torch.unique(rows[new_mask], return_inverse=True)
-        free = (self.row < 0).nonzero().squeeze(1)
-        if new.numel() > free.numel():
-            in_batch = torch.zeros(self.row.shape[0], dtype=torch.bool)
-            in_batch[self.slot[rows[~new_mask]].long()] = True
-            evictable = ((self.row >= 0) & ~in_batch).nonzero().squeeze(1)
-            evictable = evictable[_stable_order(self.touched[evictable], self.row[evictable])]
-            evict = evictable[: new.numel() - free.numel()]
-            self.slot[self.row[evict]] = -1
-            self.row[evict] = -1
-            self.ids[evict] = -1
-            self.score[evict] = 0
-            free = (self.row < 0).nonzero().squeeze(1)
-        if new.numel() > free.numel():
-            node_w = (weights[new_mask] * live[new_mask]).sum(1)
-            total = torch.zeros(new.numel(), dtype=torch.int64).index_add_(0, inverse, node_w)
-            admitted = torch.zeros(new.numel(), dtype=torch.bool)
-            admitted[_stable_order(-total, new)[: free.numel()]] = True
+        new, inverse = np.unique(rows[new_mask], return_inverse=True)
+        free = np.flatnonzero(row < 0)
+        if new.size > free.size:
+            in_batch = np.zeros(row.shape[0], dtype=bool)
+            in_batch[slot[rows[~new_mask]]] = True
+            evictable = np.flatnonzero((row >= 0) & ~in_batch)
+            # Held tokens are distinct, so (touched, token) orders the evictable rows totally.
+            evict = evictable[np.lexsort((row[evictable], touched[evictable]))][: new.size - free.size]
+            slot[row[evict]] = -1
+            row[evict] = -1
+            self.ids.numpy()[evict] = -1
+            self.score.numpy()[evict] = 0
+            free = np.flatnonzero(row < 0)
+        if new.size > free.size:
+            total = np.zeros(new.size, dtype=np.int64)
+            np.add.at(total, inverse, (weights[new_mask] * live[new_mask]).sum(axis=1))
+            admitted = np.zeros(new.size, dtype=bool)
+            # Heaviest first, ties: smaller token id (new tokens are distinct: a total order).
+            admitted[np.lexsort((new, -total))[: free.size]] = True
             self.dropped += int(total[~admitted].sum())
-            keep = torch.ones(rows.numel(), dtype=torch.bool)
+            keep = np.ones(rows.size, dtype=bool)
             keep[new_mask] = admitted[inverse]
             rows, cands, weights, live = rows[keep], cands[keep], weights[keep], live[keep]
             new = new[admitted]
-        taken = free[: new.numel()]
-        self.slot[new] = taken.to(torch.int32)
-        self.row[taken] = new
-        self.touched[taken] = tick
+        taken = free[: new.size]
+        slot[new] = taken
+        row[taken] = new
+        touched[taken] = tick
         return rows, cands, weights, live
 
-    def _decay(self, slots: torch.Tensor, tick: int) -> None:
-        age = (tick - self.touched[slots]).double()
+    def _decayed(self, slots: np.ndarray, tick: int) -> np.ndarray:
+        """Scores of ``slots`` (T,) decayed to ``tick``, shape (T, C); their clock moves to ``tick``."""
+        slots_t = torch.from_numpy(slots)
+        age = (tick - self.touched[slots_t]).double()
         factor = torch.floor(torch.exp2(_Q - age / self.half_life)).long()
-        self.score[slots] = (self.score[slots] * factor[:, None]) >> _Q
-        self.touched[slots] = tick
+        self.touched[slots_t] = tick
+        score = self.score.numpy()[slots]
+        score *= factor.numpy()[:, None]
+        score >>= _Q
+        return score
 
-    def _merge(self, keys: torch.Tensor, weights: torch.Tensor) -> None:
-        C, V = self.candidates, self.vocab_size
-        # Sum the batch per (slot, token) key; ``pairs`` comes out sorted, so slot-major, padding (-1) first.
-        pairs, inverse = torch.unique(keys, return_inverse=True)
-        pair_w = torch.zeros(pairs.numel(), dtype=torch.int64).index_add_(0, inverse, weights)
-        if pairs[0] < 0:
-            pairs, pair_w = pairs[1:], pair_w[1:]
-        # Pairs already held: compare with their row's C ids (a row holds an id at most once). Shape: (P, C).
-        slot, token = pairs // V, (pairs % V).to(torch.int32)
-        pair, column = (self.ids[slot] == token[:, None]).nonzero().unbind(1)
-        self.score.view(-1)[slot[pair] * C + column] += pair_w[pair]
-        found = torch.zeros(pairs.numel(), dtype=torch.bool)
-        found[pair] = True
-        if found.all():
+    def _merge(
+        self,
+        ids: np.ndarray,
+        score: np.ndarray,
+        node_local: np.ndarray,
+        cands: np.ndarray,
+        weights: np.ndarray,
+        live: np.ndarray,
+    ) -> None:
+        """Add a batch to the touched rows ``ids``, ``score`` (T, C), in place; ``node_local`` (N,) is each node's
+        row in them, ``cands``, ``weights``, ``live`` (N, K) its candidates."""
+        T, C, V = ids.shape[0], self.candidates, self.vocab_size
+        N, K = cands.shape
+        # Column + 1 of each candidate in its row, 0 when not held (a row holds an id at most once, and a live id
+        # never equals an empty column's -1), found by comparing candidate-major (K, n) blocks with the nodes' row
+        # ids (C, n): every pass runs over n contiguous nodes. Live ids are < V < 2**23: int32 is exact, and dead
+        # entries are masked by ``live`` whatever their cast value.
+        by_k = np.ascontiguousarray(cands.T, dtype=np.int32)
+        ids_by_column = np.ascontiguousarray(ids.T)
+        column_by_k = np.empty((K, N), dtype=np.uint8 if C < 256 else np.int32)
+        column_weights = np.arange(1, C + 1, dtype=column_by_k.dtype)[:, None, None]
+        hits = np.empty((C, K, min(N, _MATCH_NODES)), dtype=bool)
+        for start in range(0, N, _MATCH_NODES):
+            nodes = slice(start, start + _MATCH_NODES)
+            # ``take`` keeps (C, n) C-contiguous (``[:, index]`` would not).
+            row_ids = np.take(ids_by_column, node_local[nodes], axis=1)
+            chunk_hits = hits[:, :, : row_ids.shape[1]]
+            np.equal(row_ids[:, None, :], by_k[None, :, nodes], out=chunk_hits)
+            np.max(chunk_hits * column_weights, axis=0, out=column_by_k[:, nodes])
+        column = np.ascontiguousarray(column_by_k.T).reshape(-1)
+        # Flat (N * K) positions of the live entries, held or not; position ``p`` belongs to node ``p // K``.
+        found = column > 0
+        live = live.reshape(-1)
+        held_at = np.flatnonzero(live & found)
+        fresh_at = np.flatnonzero(live & ~found)
+        cands, weights = cands.reshape(-1), weights.reshape(-1)
+        cell = node_local[held_at // K] * C + column[held_at] - 1
+        np.add.at(score.reshape(-1), cell, weights[held_at])
+        if fresh_at.size == 0:
             return
+        # Candidates not held, summed per (row, token) key; ``pairs`` comes out sorted, so row-major. Keys fit
+        # int32 in most batches, which halves the sort.
+        keys = node_local[fresh_at // K] * V + cands[fresh_at]
+        keys, order = torch.sort(torch.from_numpy(keys.astype(np.int32) if T * V <= 1 << 31 else keys))
+        keys = keys.numpy()
+        starts = _segment_starts(keys)
+        pairs = keys[starts].astype(np.int64)
+        pair_w = np.add.reduceat(weights[fresh_at][order.numpy()], starts)
+        new_row, new_id = pairs // V, pairs % V
         # New candidates compete with their row's held ones; each affected row keeps its C best. One stable
         # sort on (row, score descending): ties keep the held candidate, then the smaller token id.
-        new_id, new_w = token[~found], pair_w[~found]
-        affected, new_row = torch.unique_consecutive(slot[~found], return_inverse=True)
-        old_ids, old_score = self.ids[affected], self.score[affected]  # Shape: (A, C)
-        occupied = old_ids >= 0
+        occupied = ids >= 0
         # A new candidate that does not beat the weakest of a full row cannot enter it: leave it out of the sort.
-        floor = torch.where(occupied.all(dim=1), old_score.min(dim=1).values, -1)
-        enters = new_w > floor[new_row]
+        floor = np.where(occupied.all(axis=1), score.min(axis=1), -1)
+        enters = pair_w > floor[new_row]
         if not enters.any():
             return
-        # Only rows that some new candidate enters are rebuilt; ``local`` renumbers them 0..A-1.
-        new_row, new_id, new_w = new_row[enters], new_id[enters], new_w[enters]
-        rebuilt = torch.unique_consecutive(new_row)
-        A = rebuilt.numel()
-        local = torch.empty(affected.numel(), dtype=torch.int64)
-        local[rebuilt] = torch.arange(A)
-        affected, old_ids, old_score, occupied = (
-            affected[rebuilt],
-            old_ids[rebuilt],
-            old_score[rebuilt],
-            occupied[rebuilt],
-        )
-        all_row = torch.cat([torch.arange(A)[:, None].expand_as(old_ids)[occupied], local[new_row]])
-        all_id = torch.cat([old_ids[occupied], new_id])
-        all_score = torch.cat([old_score[occupied], new_w])
-        key = (all_row << _SCORE_BITS) | (_SCORE_MASK - all_score.clamp(max=_SCORE_MASK))
-        order = torch.sort(key, stable=True).indices
+        new_row, new_id, new_w = new_row[enters], new_id[enters], pair_w[enters]
+        # Only rows that some new candidate enters are rebuilt; ``new_local`` renumbers them 0..A-1.
+        first = _segment_starts(new_row)
+        rebuilt = new_row[first]
+        A = rebuilt.size
+        new_local = np.zeros(new_row.size, dtype=np.int64)
+        new_local[first[1:]] = 1
+        np.cumsum(new_local, out=new_local)
+        held_cell = np.flatnonzero(occupied[rebuilt])  # flat (A * C) positions of the held candidates
+        all_row = np.concatenate([held_cell // C, new_local])
+        all_id = np.concatenate([ids[rebuilt].reshape(-1)[held_cell], new_id.astype(np.int32)])
+        all_score = np.concatenate([score[rebuilt].reshape(-1)[held_cell], new_w])
+        key = (all_row << _SCORE_BITS) | (_SCORE_MASK - np.minimum(all_score, _SCORE_MASK))
+        order = torch.sort(torch.from_numpy(key), stable=True).indices.numpy()
         all_row, all_id, all_score = all_row[order], all_id[order], all_score[order]
-        counts = torch.bincount(all_row, minlength=A)
-        rank = torch.arange(all_row.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        counts = np.bincount(all_row, minlength=A)
+        rank = np.arange(all_row.size) - np.repeat(np.cumsum(counts) - counts, counts)
         kept = rank < C
-        ids = torch.full_like(old_ids, -1)
-        score = torch.zeros_like(old_score)
-        ids[all_row[kept], rank[kept]] = all_id[kept]
-        score[all_row[kept], rank[kept]] = all_score[kept]
-        self.ids[affected] = ids
-        self.score[affected] = score
+        cell = all_row[kept] * C + rank[kept]
+        rows_ids = np.full(A * C, -1, dtype=np.int32)
+        rows_score = np.zeros(A * C, dtype=np.int64)
+        rows_ids[cell] = all_id[kept]
+        rows_score[cell] = all_score[kept]
+        ids[rebuilt] = rows_ids.reshape(A, C)
+        score[rebuilt] = rows_score.reshape(A, C)
 
     def best(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, successors)``: the held rows with a live candidate, ascending, and their ``width`` best
