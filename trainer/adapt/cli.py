@@ -12,6 +12,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
 from trainer.adapt import bandit_daemon, graft
 from trainer.adapt.bandit import BanditConfig
 from trainer.adapt.bandit_daemon import run_bandit
@@ -99,6 +101,9 @@ def main(argv: list[str]) -> None:
     if argv[0] != "graft":
         raise UserError(f"unknown daemon 'trainer adapt {argv[0]}'; available: graft, bandit")
     args = graft_parser().parse_args(argv[1:])
+    # The aggregation's sorts and gathers are memory-bound: a second torch thread gains nothing and, beside the
+    # decode workers on a small machine, stalls every operation on its barrier.
+    torch.set_num_threads(1)
     config = GraftConfig(
         width=args.width,
         candidates=args.candidates,

@@ -33,6 +33,8 @@ from trainer.vlog.schema import LOGPROB_SLACK, MIN_TOPK, RecordError, check_step
 # The step record's fields other than its five lists, as check_step_head reads them.
 _HEAD = ("v", "kind", "server", "request", "tenant", "shareable", "step", "drafter", "drafter_version", "tree",
          "budget", "pos", "root", "bonus", "ms")  # fmt: skip
+# Fields of a v1 step record: the head and the five lists.
+_FIELDS = len(_HEAD) + 5
 
 
 @dataclass
@@ -288,10 +290,11 @@ def _fields(index: int, line: bytes, doc: object, vocab_size: int) -> _Line | No
     Array, Object = simdjson.Array, simdjson.Object
     if type(doc) is not Object or doc.get("kind") != "step":
         return None
-    # orjson keeps a duplicate key's last value, simdjson finds its first: let the reference read such a line.
-    if len(set(doc.keys())) != len(doc):
-        return None
     head = {name: doc[name] for name in _HEAD if name in doc}
+    # orjson keeps a duplicate key's last value, simdjson finds its first: let the reference read such a line.
+    # A record of exactly the v1 fields, all present (the lists are looked up below), has none.
+    if len(doc) != _FIELDS and len(set(doc.keys())) != len(doc):
+        return None
     ms = head.get("ms")
     if type(ms) is Object:
         head["ms"] = ms.as_dict()
