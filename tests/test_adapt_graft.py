@@ -593,15 +593,15 @@ def test_a_dead_decode_worker_costs_only_time():
     try:
         first, second = decoding.submit(lines), decoding.submit(lines[:2])
         assert len(decoding.result(first).steps) == 5
-        second.worker.kill()
+        second.worker.proc.kill()
         assert len(decoding.result(second).steps) == 2
         third = decoding.submit(lines)
-        assert third.worker is not None and third.worker.poll() is None
+        assert third.worker is not None and third.worker.proc.poll() is None
         decoded = decoding.result(third)
         assert len(decoded.steps) == 5 and [i for i, _ in decoded.errors] == [5]
     finally:
         decoding.close()
-    assert not decoding._procs
+    assert not decoding._pool
     with pytest.raises(UserError, match="--decode-workers must be >= 0"):
         Decoding(V, workers=-1)
 

@@ -1,13 +1,12 @@
-"""Decoding batches of log lines in worker processes, so that a daemon aggregates one batch while the next ones
-are decoded on other cores.
-
-``Decoding(vocab_size, workers)`` hands each batch to a worker (round robin) and returns the results in
-submission order. A worker is ``python -m trainer.vlog.workers VOCAB``: it imports numpy, simdjson and the
-decoder only (a fraction of a second to start), reads length-prefixed batches from its stdin on a thread of its
-own (so a parent writing the next batch never waits for the worker to finish the current one) and writes the
-decoded batches to its stdout. The frames are pickles passed between a process and the child it started, never
-read from anywhere else. A worker exits when its stdin closes, so a parent killed by SIGKILL leaves none
-behind; a worker that dies costs nothing but time: its batches are decoded in the parent, and the workers are
+"""Decoding batches of log lines in worker processes, so that a daemon aggregates one batch while the next ones are
+decoded on other cores. ``Decoding(vocab_size, workers)`` hands each batch to a worker (round robin) and returns the
+results in submission order. A worker is ``python -m trainer.vlog.workers VOCAB``: it imports numpy, simdjson and
+the decoder only (a fraction of a second to start), reads length-prefixed batches from its stdin and writes the
+decoded batches to its stdout. The parent writes each batch from a thread of its own per worker, so its main thread
+aggregates while a worker still decodes the batch before; it reads results in submission order, so a worker blocked
+on writing a result always finds its reader. The frames are pickles passed between a process and the child it
+started, never read from anywhere else. A worker exits when its stdin closes, so a parent killed by SIGKILL leaves
+none behind; a worker that dies costs nothing but time: its batches are decoded in the parent, and the workers are
 started again at the next batch. On CPU::
 
     python -c "from trainer.vlog.workers import Decoding; d = Decoding(8192, 1); \\
@@ -16,6 +15,8 @@ started again at the next batch. On CPU::
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import pickle
 import queue
 import struct
@@ -53,8 +54,44 @@ def _read_frame(stream: BinaryIO) -> object:
 class Pending:
     """A submitted batch: the worker decoding it (None: decode it at ``result``) and its lines."""
 
-    worker: subprocess.Popen | None
+    worker: _Worker | None
     lines: list[bytes]
+
+
+class _Worker:
+    """One worker process and the thread that feeds it."""
+
+    def __init__(self, vocab_size: int) -> None:
+        command = [sys.executable, "-m", "trainer.vlog.workers", str(vocab_size)]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            _widen(pipe)
+        self.batches: queue.Queue = queue.Queue()
+        self.broken = False
+        self.thread = threading.Thread(target=self._feed, daemon=True)
+        self.thread.start()
+
+    def _feed(self) -> None:
+        while (lines := self.batches.get()) is not None:
+            try:
+                _write_frame(self.proc.stdin, lines)
+            except OSError:
+                self.broken = True
+                return
+
+    def kill(self) -> None:
+        self.batches.put(None)
+        self.proc.kill()
+        self.proc.wait()
+        self.thread.join()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+
+def _widen(pipe: BinaryIO) -> None:
+    """A pipe of up to 1 MiB (Linux): a frame of a few MB then crosses in a few writes, not hundreds."""
+    with contextlib.suppress(OSError, AttributeError):
+        fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
 
 
 class Decoding:
@@ -68,27 +105,27 @@ class Decoding:
         self.decode = BatchDecoder(vocab_size)
         # Batches in flight: one being decoded and one waiting per worker.
         self.ahead = 2 * workers
-        self._procs: list[subprocess.Popen] = []
+        self._pool: list[_Worker] = []
         self._turn = 0
 
     def submit(self, lines: list[bytes]) -> Pending:
         if not self.workers:
             return Pending(None, lines)
-        try:
-            if not self._procs:
-                self._start()
-            worker = self._procs[self._turn % len(self._procs)]
-            self._turn += 1
-            _write_frame(worker.stdin, lines)
-            return Pending(worker, lines)
-        except OSError:
-            self._stop()
-            return Pending(None, lines)
+        if not self._pool:
+            try:
+                self._pool = [_Worker(self.vocab_size) for _ in range(self.workers)]
+            except OSError:
+                self._stop()
+                return Pending(None, lines)
+        worker = self._pool[self._turn % len(self._pool)]
+        self._turn += 1
+        worker.batches.put(lines)
+        return Pending(worker, lines)
 
     def result(self, pending: Pending) -> Decoded:
-        if pending.worker is not None and pending.worker in self._procs:
+        if pending.worker is not None and pending.worker in self._pool:
             try:
-                decoded = _read_frame(pending.worker.stdout)
+                decoded = _read_frame(pending.worker.proc.stdout)
                 if isinstance(decoded, Decoded):
                     return decoded
             except (OSError, EOFError, pickle.UnpicklingError):
@@ -98,48 +135,36 @@ class Decoding:
             self._stop()
         return self.decode(pending.lines)
 
-    def _start(self) -> None:
-        command = [sys.executable, "-m", "trainer.vlog.workers", str(self.vocab_size)]
-        self._procs = [
-            subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(self.workers)
-        ]
-
     def _stop(self) -> None:
-        for proc in self._procs:
-            proc.kill()
-            proc.wait()
-            proc.stdin.close()
-            proc.stdout.close()
-        self._procs = []
+        for worker in self._pool:
+            worker.kill()
+        self._pool = []
 
     def close(self) -> None:
         """Stop the workers: closing their stdin ends them."""
-        for proc in self._procs:
-            proc.stdin.close()
-        for proc in self._procs:
+        for worker in self._pool:
+            worker.batches.put(None)
+        for worker in self._pool:
+            worker.thread.join()
+            worker.proc.stdin.close()
             try:
-                proc.wait(timeout=10)
+                worker.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            proc.stdout.close()
-        self._procs = []
+                worker.proc.kill()
+                worker.proc.wait()
+            worker.proc.stdout.close()
+        self._pool = []
 
 
 def _serve(vocab_size: int) -> None:
     decode = BatchDecoder(vocab_size)
-    frames: queue.Queue = queue.Queue()
-
-    def read() -> None:
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    while True:
         try:
-            while True:
-                frames.put(_read_frame(sys.stdin.buffer))
+            lines = _read_frame(stdin)
         except EOFError:
-            frames.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
-    while (lines := frames.get()) is not None:
-        _write_frame(sys.stdout.buffer, decode(lines))
+            return
+        _write_frame(stdout, decode(lines))
 
 
 if __name__ == "__main__":
