@@ -290,9 +290,10 @@ def _fields(index: int, line: bytes, doc: object, vocab_size: int) -> _Line | No
     Array, Object = simdjson.Array, simdjson.Object
     if type(doc) is not Object or doc.get("kind") != "step":
         return None
-    head = {name: doc[name] for name in _HEAD if name in doc}
+    # A missing field raises KeyError: the reference names it.
+    head = {name: doc[name] for name in _HEAD}
     # orjson keeps a duplicate key's last value, simdjson finds its first: let the reference read such a line.
-    # A record of exactly the v1 fields, all present (the lists are looked up below), has none.
+    # A record of exactly the v1 fields, all present (the head above, the lists below), has none.
     if len(doc) != _FIELDS and len(set(doc.keys())) != len(doc):
         return None
     ms = head.get("ms")
