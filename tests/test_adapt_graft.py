@@ -586,22 +586,29 @@ def test_decode_workers_publish_what_in_process_decoding_publishes(tmp_path, tar
 
 
 def test_a_dead_decode_worker_costs_only_time():
-    """Batches held by a worker that dies are decoded in the daemon's process; the workers start again."""
+    """Batches held by a worker that dies are decoded in the daemon's process; the workers start again; closing
+    with results never read (a daemon stopped mid-stream) returns at once."""
+    assert Decoding(V, workers=0).submit([b"{}"]) is None
     decoding = Decoding(V, workers=1)
     rng = random.Random(1)
     lines = [json.dumps(step(rng)).encode() for _ in range(5)] + [b"{"]
+    big = [json.dumps(step(rng, n=60)).encode() for _ in range(400)]
     try:
         first, second = decoding.submit(lines), decoding.submit(lines[:2])
         assert len(decoding.result(first).steps) == 5
         second.worker.proc.kill()
         assert len(decoding.result(second).steps) == 2
         third = decoding.submit(lines)
-        assert third.worker is not None and third.worker.proc.poll() is None
+        assert third.worker.proc.poll() is None
         decoded = decoding.result(third)
         assert len(decoded.steps) == 5 and [i for i, _ in decoded.errors] == [5]
+        for _ in range(4):
+            decoding.submit(big)
+        time.sleep(0.5)
     finally:
+        start = time.monotonic()
         decoding.close()
-    assert not decoding._pool
+    assert time.monotonic() - start < 5 and not decoding._pool
     with pytest.raises(UserError, match="--decode-workers must be >= 0"):
         Decoding(V, workers=-1)
 

@@ -538,9 +538,9 @@ class GraftDaemon:
 
     def _decoded_batches(self) -> Iterator[tuple[list, Decoded | None, dict[str, int]]]:
         """``_batches`` with each batch's decoding (None: decode it in this process) and the reader's offsets
-        after it. While the log is busy, full batches are handed to the decode workers ``Decoding.ahead`` at a
-        time, so they decode the next batches while this process aggregates; a short or empty batch waits
-        until all before it are out."""
+        after it. While the log is busy, full batches go to the decode workers, up to ``Decoding.ahead`` in
+        flight, so the workers decode the next batches while this process aggregates; a short or empty batch
+        is decoded here once all before it are out."""
         ahead: deque = deque()
         size = self.state.config.batch_records
         for batch in self._batches():

@@ -52,9 +52,9 @@ def _read_frame(stream: BinaryIO) -> object:
 
 @dataclass
 class Pending:
-    """A submitted batch: the worker decoding it (None: decode it at ``result``) and its lines."""
+    """A submitted batch: the worker decoding it and its lines (decoded here should the worker die)."""
 
-    worker: _Worker | None
+    worker: _Worker
     lines: list[bytes]
 
 
@@ -80,12 +80,14 @@ class _Worker:
                 return
 
     def kill(self) -> None:
+        """End the worker whatever it is doing; the feeding thread then fails its write and ends."""
         self.batches.put(None)
         self.proc.kill()
         self.proc.wait()
         self.thread.join()
-        self.proc.stdin.close()
-        self.proc.stdout.close()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()
 
 
 def _widen(pipe: BinaryIO) -> None:
@@ -108,22 +110,24 @@ class Decoding:
         self._pool: list[_Worker] = []
         self._turn = 0
 
-    def submit(self, lines: list[bytes]) -> Pending:
+    def submit(self, lines: list[bytes]) -> Pending | None:
+        """Hand ``lines`` to the next worker; None when there are no workers or they cannot start (the caller
+        decodes the batch itself)."""
         if not self.workers:
-            return Pending(None, lines)
+            return None
         if not self._pool:
             try:
                 self._pool = [_Worker(self.vocab_size) for _ in range(self.workers)]
             except OSError:
                 self._stop()
-                return Pending(None, lines)
+                return None
         worker = self._pool[self._turn % len(self._pool)]
         self._turn += 1
         worker.batches.put(lines)
         return Pending(worker, lines)
 
     def result(self, pending: Pending) -> Decoded:
-        if pending.worker is not None and pending.worker in self._pool:
+        if pending.worker in self._pool:
             try:
                 decoded = _read_frame(pending.worker.proc.stdout)
                 if isinstance(decoded, Decoded):
@@ -141,19 +145,9 @@ class Decoding:
         self._pool = []
 
     def close(self) -> None:
-        """Stop the workers: closing their stdin ends them."""
-        for worker in self._pool:
-            worker.batches.put(None)
-        for worker in self._pool:
-            worker.thread.join()
-            worker.proc.stdin.close()
-            try:
-                worker.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                worker.proc.kill()
-                worker.proc.wait()
-            worker.proc.stdout.close()
-        self._pool = []
+        """Stop the workers. They hold nothing worth waiting for: a batch not yet applied is read again from the
+        log after a restart, and a worker may be blocked writing a result that will never be read."""
+        self._stop()
 
 
 def _serve(vocab_size: int) -> None:
