@@ -7,7 +7,9 @@ Stages, each timed alone on the same synthetic traffic (steady state: the table 
 - evidence: decoded step records -> evidence tensors (``step_evidence``);
 - parse: JSON lines -> validated step columns, as the daemon reads them (``LogReader(raw=True)`` and
   ``trainer.vlog.columns.BatchDecoder``: simdjson buffers, list checks vectorised per batch);
-- end to end: parse, then ``GraftState.apply_decoded``, i.e. all of the above;
+- end to end: parse, then ``GraftState.apply_decoded``, i.e. all of the above, on one core;
+- the daemon: ``trainer adapt graft --once`` (in this process) with 0, 1 and 2 decode workers, wall clock: a whole
+  run, and steady ingest (a run over ``2c`` copies of the lines minus one over ``c``);
 - per-record validator: ``LogReader`` decoding every line to a dict with ``orjson.loads`` + ``schema.validate``
   (the reference path, which other readers use); json alone: ``orjson.loads`` of every line, nothing else.
 
@@ -183,26 +185,35 @@ def measure(vocab: int, args: argparse.Namespace) -> dict[str, float]:
         publish_s = statistics.median(publish_s)
         mb = len(lines) / 1e6
 
-        # The daemon itself, wall clock: a --once run over the same lines repeated --daemon-copies times (one
-        # segment each), with and without decode workers; the state is committed once, at the end.
-        daemon_logs = Path(tmp) / "daemon_logs"
-        daemon_logs.mkdir()
-        for copy_ in range(args.daemon_copies):
-            (daemon_logs / f"bench-{copy_:06d}-{1000 + copy_}.jsonl").write_text(lines)
+        # The daemon itself, wall clock: --once runs over the same lines repeated (one segment a copy), with and
+        # without decode workers; the state is committed once, at the end. A run reads c copies, another 2c:
+        # the difference is c copies' worth of steady ingest, without start-up, final commit and publish.
         vocab_file = Path(tmp) / "target"
         vocab_file.mkdir()
         (vocab_file / "config.json").write_text(f'{{"vocab_size": {vocab}}}')
-        daemon = {}
+        logs_of = {}
+        for copies in (args.daemon_copies, 2 * args.daemon_copies):
+            logs_of[copies] = Path(tmp) / f"daemon_logs{copies}"
+            logs_of[copies].mkdir()
+            for c in range(copies):
+                (logs_of[copies] / f"bench-{c:06d}-{1000 + c}.jsonl").write_text(lines)
+
+        def daemon_seconds(workers: int, copies: int, r: int) -> float:
+            out = Path(tmp) / f"daemon{workers}_{copies}_{r}"
+            start = time.perf_counter()
+            with contextlib.redirect_stdout(io.StringIO()):
+                run_graft(logs_of[copies], out, vocab_file, once=True, config=config, commit_seconds=1e9,
+                          decode_workers=workers)  # fmt: skip
+            return time.perf_counter() - start
+
+        daemon, steady = {}, {}
         for workers in (0, 1, 2):
-            walls = []
+            short, long = [], []
             for r in range(args.repeats):
-                out = Path(tmp) / f"daemon{workers}_{r}"
-                start = time.perf_counter()
-                with contextlib.redirect_stdout(io.StringIO()):
-                    run_graft(daemon_logs, out, vocab_file, once=True, config=config, commit_seconds=1e9,
-                              decode_workers=workers)  # fmt: skip
-                walls.append(time.perf_counter() - start)
-            daemon[workers] = nodes * args.daemon_copies / statistics.median(walls)
+                short.append(daemon_seconds(workers, args.daemon_copies, r))
+                long.append(daemon_seconds(workers, 2 * args.daemon_copies, r))
+            daemon[workers] = nodes * args.daemon_copies / statistics.median(short)
+            steady[workers] = nodes * args.daemon_copies / max(statistics.median(long) - statistics.median(short), 1e-9)
     return {
         "nodes": nodes,
         "log_mb": mb,
@@ -216,6 +227,7 @@ def measure(vocab: int, args: argparse.Namespace) -> dict[str, float]:
         "publish_ms": publish_s * 1e3,
         "rows_held": state.shared.held(),
         "daemon": daemon,
+        "steady": steady,
     }
 
 
@@ -228,7 +240,7 @@ def main() -> None:
     p.add_argument("--warm-batches", type=int, default=4, help="batches of other traffic applied first")
     p.add_argument("--noise", type=float, default=0.2, help="share of top-k ids that are random")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--daemon-copies", type=int, default=4, help="copies of the measured lines the daemon reads")
+    p.add_argument("--daemon-copies", type=int, default=6, help="copies of the measured lines the daemon reads")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="CPU time of this process, or wall time")
     args = p.parse_args()
     global CLOCK
@@ -249,10 +261,13 @@ def main() -> None:
         r = results[vocab] = measure(vocab, args)
         rates = " ".join(f"{r[k]:>12,.0f}" for k in stages)
         print(f"{vocab:>8} {rates}")
-    print("\nthe daemon, a --once run (wall clock, nodes/s; reading, decoding, aggregating, one commit and a publish)")
-    print(f"{'V':>8} {'in-process':>12} {'1 worker':>12} {'2 workers':>12}")
+    print("\nthe daemon, wall clock, nodes/s: a whole --once run (start-up, reading, decoding, aggregating, one")
+    print("commit, a publish), and steady ingest (the difference between a run over twice the lines and one run)")
+    print(f"{'V':>8} {'in-process':>12} {'1 worker':>12} {'2 workers':>12} | steady: {'in-process':>12} "
+          f"{'1 worker':>12} {'2 workers':>12}")  # fmt: skip
     for vocab, r in results.items():
-        print(f"{vocab:>8} " + " ".join(f"{r['daemon'][w]:>12,.0f}" for w in (0, 1, 2)))
+        whole = " ".join(f"{r['daemon'][w]:>12,.0f}" for w in (0, 1, 2))
+        print(f"{vocab:>8} {whole} |         " + " ".join(f"{r['steady'][w]:>12,.0f}" for w in (0, 1, 2)))
     print("\nshare of end-to-end time per stage, and publish latency")
     for vocab, r in results.items():
         total = 1 / r["end_to_end"]
