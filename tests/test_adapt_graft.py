@@ -594,12 +594,20 @@ def test_a_dead_decode_worker_costs_only_time():
     lines = [json.dumps(step(rng)).encode() for _ in range(5)] + [b"{"]
     big = [json.dumps(step(rng, n=60)).encode() for _ in range(400)]
     try:
-        first, second = decoding.submit(lines), decoding.submit(lines[:2])
+        first = decoding.submit(lines)
+        # Dies holding a batch: the worker takes it, and is killed before it can answer.
+        second = decoding.submit(lines[:2])
+        first.worker.proc.kill()
+        first.worker.proc.wait()
         assert len(decoding.result(first).steps) == 5
-        second.worker.proc.kill()
         assert len(decoding.result(second).steps) == 2
+        # Found dead at the next submit: a fresh worker takes the batch, the dead one's is decoded here.
+        held = decoding.submit(lines)
+        held.worker.proc.kill()
+        held.worker.proc.wait()
         third = decoding.submit(lines)
-        assert third.worker.proc.poll() is None
+        assert third.worker is not held.worker and third.worker.proc.poll() is None
+        assert len(decoding.result(held).steps) == 5
         decoded = decoding.result(third)
         assert len(decoded.steps) == 5 and [i for i, _ in decoded.errors] == [5]
         for _ in range(4):

@@ -122,6 +122,10 @@ class Decoding:
                 self._stop()
                 return None
         worker = self._pool[self._turn % len(self._pool)]
+        if worker.proc.poll() is not None:
+            # Found dead before its result was due: the batches it holds are decoded here; start afresh.
+            self._stop()
+            return self.submit(lines)
         self._turn += 1
         worker.batches.put(lines)
         return Pending(worker, lines)
