@@ -448,7 +448,8 @@ class GraftDaemon:
         if errors:
             self._quarantine([error for _, error in sorted(errors, key=lambda e: e[0])])
         touched = self.state.apply_decoded(decoded.steps, decoded.requests, len(items))
-        self.state.offsets = dict(self.reader.offsets if offsets is None else offsets)
+        # ``offsets`` is the copy taken when the batch was read.
+        self.state.offsets = dict(self.reader.offsets) if offsets is None else offsets
         return touched
 
     def commit(self) -> None:

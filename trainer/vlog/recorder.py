@@ -59,14 +59,12 @@ def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         top = logprobs.topk(k, dim=-1)
         return top.indices, top.values
     per_row = vocab // CHUNK
-    # Shape: (N + 1, k) indices of the chosen chunks among all rows' chunks (row-major).
-    chunks = logprobs.view(rows, per_row, CHUNK).amax(-1).topk(k, dim=-1).indices
-    chunks += torch.arange(0, rows * per_row, per_row, device=chunks.device)[:, None]
+    best = logprobs.view(rows, per_row, CHUNK).amax(-1).topk(k, dim=-1).indices  # Shape: (N + 1, k) chunk indices
     # Whole chunks are contiguous rows of this view: index_select copies them (cheaper than an element gather).
-    top = logprobs.view(-1, CHUNK).index_select(0, chunks.view(-1)).view(rows, k * CHUNK).topk(k, dim=-1)
-    # The flat index of a candidate is its chunk's start plus its place in the chunk; minus the row's start.
-    ids = chunks.gather(1, top.indices // CHUNK) * CHUNK + top.indices % CHUNK
-    ids -= torch.arange(0, rows * vocab, vocab, device=ids.device)[:, None]
+    chunk_rows = (best + torch.arange(rows, device=best.device)[:, None] * per_row).view(-1)
+    candidates = logprobs.view(-1, CHUNK).index_select(0, chunk_rows).view(rows, k * CHUNK)
+    top = candidates.topk(k, dim=-1)
+    ids = best.gather(1, top.indices // CHUNK) * CHUNK + top.indices % CHUNK
     return ids, top.values
 
 
