@@ -20,8 +20,11 @@ from trainer.adapt.bandit import (
     Arm,
     ArmStats,
     BanditConfig,
+    Context,
     LiveTau,
     Rates,
+    Replay,
+    Scale,
     acceptance,
     collapsed,
     cost_tokens,
@@ -224,6 +227,45 @@ def test_shadow_acceptance_and_expected_tokens_known_answers():
     torch.testing.assert_close(expected_accepted(alpha, torch.tensor([2, 3])), torch.tensor([1.75, 4.0]))
 
 
+FRESH = Context(novelty=1.0, drift=0.0)  # a buffer of traffic the served drafter never saw, no drift
+
+
+def test_lift_regression_known_answers():
+    """Posterior of ``y = w · x`` with prior N((0.1, 0.5), diag(0.1², 0.5²)) and noise 0.05, by hand."""
+    lift = ArmStats.fresh(BanditConfig(lift_decay=1.0)).lift
+    assert lift.mean((1.0, 0.0)) == pytest.approx(0.1) and lift.upper((1.0, 0.0), 1.0) == pytest.approx(0.2)
+    assert lift.mean((0.0, 0.2)) == pytest.approx(0.1) and lift.upper((0.0, 0.2), 2.0) == pytest.approx(0.3)
+    lift.add((1.0, 0.0), 0.3)
+    # Precision of w0: 1/0.01 + 1/0.0025 = 500; mean (10 + 120) / 500 = 0.26; sd sqrt(1/500).
+    assert lift.mean((1.0, 0.0)) == pytest.approx(0.26)
+    assert lift.upper((1.0, 0.0), 1.0) == pytest.approx(0.26 + math.sqrt(1 / 500))
+    assert lift.mean((0.0, 1.0)) == pytest.approx(0.5)  # the drift weight saw nothing
+    # With decay, an older observation counts less than a newer one: the mean follows the recent gains.
+    decayed = ArmStats.fresh(BanditConfig(lift_decay=0.5)).lift
+    undecayed = ArmStats.fresh(BanditConfig(lift_decay=1.0)).lift
+    for y in (0.3, 0.3, 0.0, 0.0):
+        decayed.add((1.0, 0.0), y)
+        undecayed.add((1.0, 0.0), y)
+    assert decayed.mean((1.0, 0.0)) < undecayed.mean((1.0, 0.0)) < 0.16
+    # Pooling adds sufficient statistics: two arms' observations equal one arm's with both.
+    a, b, both = (ArmStats.fresh(BanditConfig(lift_decay=1.0)).lift for _ in range(3))
+    a.add((1.0, 0.2), 0.1)
+    b.add((0.5, 0.0), 0.05)
+    both.add((1.0, 0.2), 0.1)
+    both.add((0.5, 0.0), 0.05)
+    (mean, cov), (mean_both, cov_both) = a.pooled([a, b]).posterior(), both.posterior()
+    assert mean == pytest.approx(mean_both) and cov == pytest.approx(cov_both)
+
+
+def test_scale_known_answers():
+    scale = Scale()
+    assert scale.estimate == 1.0
+    scale.add(0.1, 0.05)  # live gained half of what the shadow said
+    assert scale.estimate == pytest.approx((0.01 + 0.005) / (0.01 + 0.01))
+    scale.add(0.001, -0.2)  # a tiny shadow gain with a noisy live window barely moves the slope
+    assert scale.estimate == pytest.approx((0.01 + 0.005 - 0.0002) / (0.01 + 0.01 + 1e-6))
+
+
 @pytest.mark.parametrize("seconds", [0.5, 2.0, 8.0, 40.0])
 def test_plan_updates_exactly_when_expected_net_gain_is_positive(seconds):
     config = BanditConfig(horizon_requests=10, swap_seconds=0.0)
@@ -231,44 +273,55 @@ def test_plan_updates_exactly_when_expected_net_gain_is_positive(seconds):
     stats = {"a": ArmStats.fresh(config)}
     stats["a"].measured(seconds)
     rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
-    choice, (estimate,) = plan(rates, 3.0, arms, stats, config)
-    # Optimistic recovery (prior 0.5 + 1 sd 0.5 / sqrt(1)) = 1.0 of headroom 1: τ 3, gain 200 tokens; cost 20·s.
-    assert estimate.tau_gain == pytest.approx(1.0)
-    assert estimate.gain == pytest.approx(200.0) and estimate.cost == pytest.approx(20.0 * seconds)
-    assert (choice == "a") == (estimate.net > 0) == (seconds < 10)
-    assert plan(rates, 2.0, arms, stats, config)[0] == SKIP  # no headroom, no update
+    choice, (estimate,) = plan(rates, FRESH, arms, stats, config)
+    # Optimistic relative gain on fresh traffic (prior 0.1 + 1 sd 0.1) = 0.2: τ 2.4, 400 · 0.2 = 80 tokens over the
+    # horizon; cost 20 tokens per second.
+    assert estimate.tau_gain == pytest.approx(0.4)
+    assert estimate.gain == pytest.approx(80.0) and estimate.cost == pytest.approx(20.0 * seconds)
+    assert (choice == "a") == (estimate.net > 0) == (seconds < 4)
+    assert plan(rates, Context(0.0, 0.0), arms, stats, config)[0] == SKIP  # nothing new, no drift: no update
+    # Drift alone: τ 2 against a reference 3 is δ = 0.5; optimistic recovery 1.0 of it gains 200 tokens.
+    _, (drifted,) = plan(rates, Context(0.0, 0.5), arms, stats, config)
+    assert drifted.gain == pytest.approx(200.0)
 
 
-def test_plan_learns_from_realised_outcomes():
+def test_plan_learns_from_shadow_outcomes():
     config = BanditConfig(horizon_requests=10, swap_seconds=0.0)
     arms = (Arm("a", "full", 4, 1e-3), Arm("b", "lora", 4, 1e-3))
     stats = {"a": ArmStats.fresh(config), "b": ArmStats.fresh(config)}
     stats["a"].measured(1.0)
     stats["b"].measured(2.0)
     rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
-    assert plan(rates, 3.0, arms, stats, config)[0] == "a"  # same prior, cheaper
-    for realised in (-0.1, 0.0, -0.2, 0.05):  # "a" never recovered anything
-        stats["a"].recovery.add(realised)
-    assert plan(rates, 3.0, arms, stats, config)[0] == "b"
-    for realised in (-0.1, 0.0, 0.0, -0.1):
-        stats["b"].recovery.add(realised)
-    assert plan(rates, 3.0, arms, stats, config)[0] == SKIP
+    assert plan(rates, FRESH, arms, stats, config)[0] == "a"  # same prior, cheaper
+    for gain in (-0.01, 0.0, -0.02, 0.005):  # "a"'s candidates never beat the served drafter
+        stats["a"].lift.add(FRESH.x, gain)
+    # ... and "b", never tried, borrows that: no update pays on this traffic.
+    assert plan(rates, FRESH, arms, stats, config)[0] == SKIP
+    for gain in (0.25, 0.3):  # "b" once tried gains a lot: worth its double cost
+        stats["b"].lift.add(FRESH.x, gain)
+    assert plan(rates, FRESH, arms, stats, config)[0] == "b"
+    # Live outcomes that fall short of the shadow's lower the scale, and with it every later estimate.
+    _, (before, _) = plan(rates, FRESH, arms, {"a": ArmStats.fresh(config), "b": stats["b"]}, config)
+    shrunk = ArmStats.fresh(config)
+    shrunk.scale.add(0.2, 0.0)
+    _, (after, _) = plan(rates, FRESH, arms, {"a": shrunk, "b": stats["b"]}, config)
+    assert after.gain == pytest.approx(before.gain * 0.01 / 0.05)
 
 
 def test_untried_arms_borrow_the_tried_arms_outcomes_and_costs():
-    config = BanditConfig(horizon_requests=10, swap_seconds=0.0, prior_recovery=0.5)
+    config = BanditConfig(horizon_requests=10, swap_seconds=0.0, lift_decay=1.0)
     arms = (Arm("a", "approx", 4, 1e-3), Arm("b", "full", 8, 1e-3))
     stats = {"a": ArmStats.fresh(config), "b": ArmStats.fresh(config)}
-    assert pooled_priors(arms, stats, config) == (0.5, config.prior_seconds_per_step)
+    lift, per_step = pooled_priors(arms, stats, config)
+    assert lift.n == 0 and per_step == config.prior_seconds_per_step
     stats["a"].measured(8.0)
-    stats["a"].recovery.add(-0.1)
-    stats["a"].recovery.add(0.1)
-    # (prior 0.5 + 0 over two outcomes) / 3; 8 s over 4 steps.
-    assert pooled_priors(arms, stats, config) == (pytest.approx(0.5 / 3), 2.0)
+    stats["a"].lift.add(FRESH.x, 0.3)
+    lift, per_step = pooled_priors(arms, stats, config)
+    assert lift.posterior() == stats["a"].lift.posterior() and per_step == 2.0  # 8 s over 4 steps
     rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
-    _, (_, b) = plan(rates, 3.0, arms, stats, config)
-    # b: 8 steps at 2 s = 16 s, 320 tokens; its plain gain: 400 served tokens × (0.5 / 3) / 2.
-    assert b.cost == pytest.approx(320.0) and b.mean_gain == pytest.approx(400 * 0.5 / 3 / 2)
+    _, (_, b) = plan(rates, FRESH, arms, stats, config)
+    # b: 8 steps at 2 s = 16 s, 320 tokens; its plain gain: 400 served tokens × 0.26 (a's posterior mean).
+    assert b.cost == pytest.approx(320.0) and b.mean_gain == pytest.approx(400 * 0.26)
 
 
 def test_exploration_spends_at_most_its_budget():
@@ -277,14 +330,14 @@ def test_exploration_spends_at_most_its_budget():
     config = BanditConfig(horizon_requests=10, swap_seconds=0.0)
     arms = (Arm("a", "full", 4, 1e-3),)
     stats = {"a": ArmStats.fresh(config)}
-    stats["a"].measured(6.0)
+    stats["a"].measured(3.0)
     rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
-    # Headroom 1: optimistic recovery 1.0 gains 200 tokens, the plain prior 0.5 gains 100; the update costs 120.
-    choice, (estimate,) = plan(rates, 3.0, arms, stats, config, explore_left=119.0)
-    assert estimate.mean_gain == pytest.approx(100.0) and estimate.exploring and choice == SKIP
-    assert plan(rates, 3.0, arms, stats, config, explore_left=121.0)[0] == "a"
-    stats["a"].measured(2.0)  # cost (6 + 2) / 2 = 4 s: 80 tokens, below the plain gain: exploitation
-    choice, (estimate,) = plan(rates, 3.0, arms, stats, config, explore_left=0.0)
+    # Fresh traffic: the optimistic 0.2 gains 80 tokens, the plain prior 0.1 gains 40; the update costs 60.
+    choice, (estimate,) = plan(rates, FRESH, arms, stats, config, explore_left=59.0)
+    assert estimate.mean_gain == pytest.approx(40.0) and estimate.exploring and choice == SKIP
+    assert plan(rates, FRESH, arms, stats, config, explore_left=61.0)[0] == "a"
+    stats["a"].measured(0.6)  # cost (3 + 0.6) / 2 = 1.8 s: 36 tokens, below the plain gain: exploitation
+    choice, (estimate,) = plan(rates, FRESH, arms, stats, config, explore_left=0.0)
     assert not estimate.exploring and choice == "a"
 
 
@@ -328,7 +381,7 @@ def test_rollback_when_the_new_version_is_worse(tmp_path):
     (tmp_path / "logs").mkdir()
     daemon = _daemon(tmp_path)
     assert daemon.state["version"] == 1
-    pending = {"decision": 1, "arm": "full-1", "tau_before": 3.0, "headroom": 1.0, "tau_new": 3.5, "shadow_gain": 0.5}
+    pending = {"decision": 1, "arm": "full-1", "tau_before": 3.0, "tau_new": 3.5, "shadow_gain": 0.2, "seen": 0}
     v2 = publish(tmp_path / "pub", daemon.drafter.save_pretrained, {"kind": "drafter", "decision": pending})
     daemon.close()
     _write_log(tmp_path / "logs", "seg-000001-1000", v2, accepted=[1])  # τ 2 < 3 - margin
@@ -340,7 +393,9 @@ def test_rollback_when_the_new_version_is_worse(tmp_path):
     (outcome,) = _journal(tmp_path)
     assert outcome["event"] == "outcome" and outcome["rolled_back_to"] == version
     assert outcome["realised_gain"] == pytest.approx(-1.0)
-    assert restarted.state["arms"]["full-1"]["recovery"]["mean"] == pytest.approx(-1.0)
+    # The live outcome (-1/3 relative) against the shadow's +0.2 makes the shadow→live scale negative.
+    scale = restarted.state["arms"]["full-1"]["scale"]
+    assert scale["n"] == 1 and Scale(**scale).estimate == pytest.approx((0.01 - 0.2 / 3) / (0.01 + 0.04))
 
 
 def test_an_updates_version_inherits_the_reference_tau(tmp_path):
@@ -349,7 +404,7 @@ def test_an_updates_version_inherits_the_reference_tau(tmp_path):
     daemon = _daemon(tmp_path)
     daemon.state["ref"]["1"] = 4.5
     daemon.commit()
-    pending = {"decision": 1, "arm": "full-1", "tau_before": 3.5, "headroom": 1.0, "tau_new": 4.2, "shadow_gain": 0.5}
+    pending = {"decision": 1, "arm": "full-1", "tau_before": 3.5, "tau_new": 4.2, "shadow_gain": 0.2, "seen": 0}
     v2 = publish(
         tmp_path / "pub", daemon.drafter.save_pretrained, {"kind": "drafter", "parent": 1, "decision": pending}
     )
@@ -361,7 +416,7 @@ def test_an_updates_version_inherits_the_reference_tau(tmp_path):
     assert restarted.state["ref"][str(v2)] == pytest.approx(4.5)  # not its own 4
     (outcome,) = _journal(tmp_path)
     assert outcome["event"] == "outcome" and outcome["realised_gain"] == pytest.approx(0.5)
-    assert restarted.state["arms"]["full-1"]["recovery"]["mean"] == pytest.approx(0.5)
+    assert restarted.state["arms"]["full-1"]["scale"]["sr"] == pytest.approx(0.2 * 0.5 / 3.5)
     restarted.close()
 
 
@@ -456,4 +511,30 @@ def test_daemon_updates_eagle3_and_specblock_drafters(tmp_path, name):
     decision = _journal(tmp_path)[-1]
     assert decision["arm"] in ("lora-1", "full-1") and "failed" not in decision
     assert math.isfinite(decision["shadow_served"]) and math.isfinite(decision["shadow_candidate"])
+    daemon.close()
+
+
+def test_context_novelty_drift_and_cached_features(tmp_path):
+    """Novelty counts the requests since the served version's training; drift its τ below the reference; the
+    training batches carry each replayed request's target features, computed once, as the target gives them."""
+    _write_log(tmp_path / "logs", "seg-000001-1000", 1, accepted=[3])  # 4 requests, τ 4
+    daemon = _daemon(tmp_path)
+    daemon.read()
+    daemon.state["ref"]["1"] = 5.0
+    context = daemon.context(daemon.rates())
+    assert context.novelty == pytest.approx(4 / 64) and context.drift == pytest.approx((5.0 - 4.0) / 4.0)
+    daemon.state["trained_at"]["1"] = 4  # trained on everything seen so far
+    assert daemon.context(daemon.rates()).novelty == 0.0
+    replay = Replay.from_json(daemon.state["replay"])
+    batch = daemon._batch(replay)
+    online = with_features({k: batch[k] for k in ("input_ids", "loss_mask", "position_ids", "doc_ids")},
+                           daemon.target, daemon.options.topk)  # fmt: skip
+    inside = batch["doc_ids"] > 0
+    torch.testing.assert_close(batch["features"][inside], online["features"][inside], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(batch["teacher_topk_logprobs"][inside], online["teacher_topk_logprobs"][inside],
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    cached = len(daemon._feature_cache)
+    assert 1 <= cached <= len(replay.train)
+    daemon._batch(replay)
+    assert len(daemon._feature_cache) <= len(replay.train)  # drawn again: no new rows for the same requests
     daemon.close()

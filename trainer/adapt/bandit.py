@@ -12,21 +12,29 @@ Pure: no files, no models (the daemon, trainer/adapt/bandit_daemon.py, measures 
 - cost of an update: its measured seconds (target forwards for features, optimiser steps, shadow evaluation)
   plus the swap, times ``θ``: the tokens the server would have served meanwhile.
 
-Before an update is paid for, its τ gain is predicted as a learned fraction of the *headroom*
-``max(0, τ_ref - τ)``, where ``τ_ref`` is the served version's live τ right after it went live, or its parent's
-reference when an update published it and that is higher: drift shows as τ falling below it, and the headroom
-stays measured from before the drift until updates recover it. After a candidate is trained, a shadow evaluation
-(``expected_accepted``) on held-back logged contexts gives its τ against the served drafter's on the same
-contexts; a per-arm multiplicative correction learnt from realised outcomes (live τ after publishing vs. the
-shadow estimate) scales it. Both learnt factors are used optimistically (upper confidence bound), so an arm that
-was never tried is tried when the headroom is large enough, and one that disappoints is tried less.
+Before an update is paid for, its gain is predicted from its *context* ``x = (novelty, drift)``:
 
-An arm not yet tried starts from what the tried ones showed (their pooled recovery and measured seconds per
-step), so one arm's disappointment on a drift no update can fix makes the next arm an exploration, not a sure
-bet. Exploration is bounded: an update whose expected net gain is positive only under the optimistic bound (not
-under the plain estimate) is exploration, and exploration may spend at most ``explore_share`` of the tokens
-served so far (its cost in served tokens forgone); beyond that the bandit skips until its estimates, or the
-served total, say otherwise.
+- novelty ``ν``: the share of the replay buffer the served version was not trained on, ``min(1, requests seen
+  since its training / buffer size)`` (the shipped drafter never saw served traffic). An update can only teach
+  what the drafter has not seen: right after one, ``ν`` is 0 and so is the expected gain of another;
+- drift ``δ = max(0, τ_ref - τ) / τ``, where ``τ_ref`` is the served version's live τ right after it went live,
+  or its parent's reference when an update published it and that is higher: drift shows as τ falling below it,
+  and the relative gain of a full recovery is ``δ``.
+
+Per arm, the relative τ gain ``y = w · x`` is a Bayesian linear regression (``Lift``; prior: an update on a
+buffer of fresh traffic gains ``prior_lift``, one recovers ``prior_recovery`` of a drift). Its observations are
+shadow evaluations: after a candidate is trained, ``expected_accepted`` on held-back logged contexts gives its
+expected tokens per step against the served drafter's on the same contexts (paired, so far less noisy than live
+τ), ``y = candidate / served - 1``. A per-arm scale (``Scale``), learnt from realised outcomes (live τ after
+publishing vs. the shadow gain), turns shadow gains into live ones. The regression is used optimistically
+(upper confidence bound ``ucb``), so an arm never tried is tried when fresh traffic or drift is large enough, and
+one that disappoints, or stops paying as the drafter saturates, is tried less.
+
+An arm not yet tried starts from what the tried ones showed (their pooled observations and measured seconds per
+step), so one arm's disappointment makes the next arm an exploration, not a sure bet. Exploration is bounded: an
+update whose expected net gain is positive only under the optimistic bound (not under the plain estimate) is
+exploration, and exploration may spend at most ``explore_share`` of the tokens served so far (its cost in served
+tokens forgone); beyond that the bandit skips until its estimates, or the served total, say otherwise.
 """
 
 from __future__ import annotations
@@ -52,12 +60,14 @@ class Arm:
     lr: float
 
 
-# Learning rates from a sweep on the shipped tiny drafters (benchmarks/bandit_sim.py's shift): a fresh AdamW moves
-# every weight by about ``lr`` per step, and 1e-3 on all weights (3e-3 on the approximator) lowered τ.
+# Learning rates and step counts from a sweep on the shipped tiny TreeFlash (benchmarks/bandit_sim.py): τ on held-out
+# shifted prompts after training on 48 served requests, with a fresh AdamW each update: 16 steps of all weights at
+# 3e-3 gained as much as 48 at 2e-3 (+14% vs +17%) in a third of the time; 1e-4 moved nothing, 256 steps at 1e-3
+# overfitted the buffer, the approximator alone gained 2% in 128 steps.
 DEFAULT_ARMS = (
-    Arm("approx-16", "approx", 16, 3e-4),
-    Arm("lora-16", "lora", 16, 1e-3),
-    Arm("full-16", "full", 16, 1e-4),
+    Arm("approx-16", "approx", 16, 3e-3),
+    Arm("lora-16", "lora", 16, 3e-3),
+    Arm("full-16", "full", 16, 3e-3),
 )
 
 
@@ -65,13 +75,16 @@ DEFAULT_ARMS = (
 class BanditConfig:
     """Decision parameters; see the module docstring."""
 
-    horizon_requests: float = 64.0
+    horizon_requests: float = 256.0
     window_steps: int = 64
     rollback_margin: float = 0.05
     collapse_ratio: float = 0.5
     collapse_tau: float = 1.0
     ucb: float = 1.0
+    prior_lift: float = 0.1
     prior_recovery: float = 0.5
+    shadow_noise: float = 0.05
+    lift_decay: float = 0.7
     prior_seconds_per_step: float = 0.5
     swap_seconds: float = 0.05
     buffer_requests: int = 64
@@ -81,49 +94,117 @@ class BanditConfig:
     shadow_acceptance: Literal["sampled", "greedy"] = "sampled"
 
 
+@dataclass(frozen=True)
+class Context:
+    """What an update's gain is predicted from (see the module docstring)."""
+
+    novelty: float
+    drift: float
+
+    @property
+    def x(self) -> tuple[float, float]:
+        return (self.novelty, self.drift)
+
+
 @dataclass
-class Running:
-    """Mean and variance of observations (Welford) with a prior counted as ``prior_n`` observations."""
+class Lift:
+    """Bayesian linear regression ``y = w · x`` of an update's relative τ gain ``y`` on its context ``x`` (2-d),
+    prior ``w ~ N(prior, diag(prior_sd²))``, observation noise ``noise_sd``; kept as sufficient statistics
+    (``Σ x xᵀ`` as ``xx = [xx00, xx01, xx11]`` and ``Σ x y``), so outcomes pool by adding them. Each new
+    observation first discounts the earlier ones by ``decay``: the gains of a drafter that saturates on its
+    traffic fall, and the regression follows the recent ones."""
 
-    prior: float
-    prior_sd: float
-    prior_n: float = 1.0
+    prior: tuple[float, float]
+    prior_sd: tuple[float, float]
+    noise_sd: float
+    decay: float = 1.0
+    xx: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    xy: list[float] = field(default_factory=lambda: [0.0, 0.0])
     n: int = 0
-    mean: float = 0.0
-    m2: float = 0.0
 
-    def add(self, x: float) -> None:
+    def add(self, x: tuple[float, float], y: float) -> None:
+        d = self.decay
+        self.xx = [d * self.xx[0] + x[0] * x[0], d * self.xx[1] + x[0] * x[1], d * self.xx[2] + x[1] * x[1]]
+        self.xy = [d * self.xy[0] + x[0] * y, d * self.xy[1] + x[1] * y]
         self.n += 1
-        delta = x - self.mean
-        self.mean += delta / self.n
-        self.m2 += delta * (x - self.mean)
+
+    def pooled(self, others: list[Lift]) -> Lift:
+        """This prior with every observation of ``others``."""
+        xx = [sum(o.xx[i] for o in others) for i in range(3)]
+        xy = [sum(o.xy[i] for o in others) for i in range(2)]
+        return Lift(self.prior, self.prior_sd, self.noise_sd, self.decay, xx, xy, sum(o.n for o in others))
+
+    def posterior(self) -> tuple[tuple[float, float], tuple[float, float, float]]:
+        """Posterior mean of ``w`` and its covariance ``[c00, c01, c11]``."""
+        v = self.noise_sd**2
+        p00 = 1 / self.prior_sd[0] ** 2 + self.xx[0] / v
+        p01 = self.xx[1] / v
+        p11 = 1 / self.prior_sd[1] ** 2 + self.xx[2] / v
+        b0 = self.prior[0] / self.prior_sd[0] ** 2 + self.xy[0] / v
+        b1 = self.prior[1] / self.prior_sd[1] ** 2 + self.xy[1] / v
+        det = p00 * p11 - p01 * p01
+        c00, c01, c11 = p11 / det, -p01 / det, p00 / det
+        return (c00 * b0 + c01 * b1, c01 * b0 + c11 * b1), (c00, c01, c11)
+
+    def mean(self, x: tuple[float, float]) -> float:
+        w, _ = self.posterior()
+        return w[0] * x[0] + w[1] * x[1]
+
+    def upper(self, x: tuple[float, float], beta: float) -> float:
+        """The predicted gain plus ``beta`` standard deviations of the prediction."""
+        w, (c00, c01, c11) = self.posterior()
+        var = c00 * x[0] * x[0] + 2 * c01 * x[0] * x[1] + c11 * x[1] * x[1]
+        return w[0] * x[0] + w[1] * x[1] + beta * math.sqrt(max(var, 0.0))
+
+
+@dataclass
+class Scale:
+    """Live gain per unit of shadow gain: a least-squares slope through the origin, ``(w·prior + Σ s·r) /
+    (w + Σ s²)``, with the prior weighing as much as ``weight`` of ``s²``. A small shadow gain says little about
+    the slope and moves it little, so noisy live windows cannot swing it."""
+
+    prior: float = 1.0
+    weight: float = 0.01
+    sr: float = 0.0
+    ss: float = 0.0
+    n: int = 0
+
+    def add(self, shadow: float, realised: float) -> None:
+        self.sr += shadow * realised
+        self.ss += shadow * shadow
+        self.n += 1
 
     @property
     def estimate(self) -> float:
-        return (self.prior * self.prior_n + self.mean * self.n) / (self.prior_n + self.n)
-
-    def upper(self, beta: float) -> float:
-        """The estimate plus ``beta`` standard errors (prior spread while few observations)."""
-        sd = math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else self.prior_sd
-        return self.estimate + beta * sd / math.sqrt(self.prior_n + self.n)
+        return (self.weight * self.prior + self.sr) / (self.weight + self.ss)
 
 
 @dataclass
 class ArmStats:
-    """What the bandit learnt about one arm: fraction of headroom recovered, shadow→live correction, seconds."""
+    """What the bandit learnt about one arm: its gain regression, the shadow→live scale, measured seconds."""
 
-    recovery: Running
-    correction: Running
+    lift: Lift
+    scale: Scale
     seconds: float | None = None
     tried: int = 0
 
     @classmethod
     def fresh(cls, config: BanditConfig) -> ArmStats:
-        return cls(Running(config.prior_recovery, 0.5), Running(1.0, 0.5))
+        # Prior spread = prior mean: a gain of 0 or twice the prior is one standard deviation away.
+        prior = (config.prior_lift, config.prior_recovery)
+        return cls(Lift(prior, prior, config.shadow_noise, config.lift_decay), Scale())
 
     def measured(self, seconds: float) -> None:
         """Cost estimate: exponential average of the measured seconds (half weight on the newest)."""
         self.seconds = seconds if self.seconds is None else 0.5 * (self.seconds + seconds)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict) -> ArmStats:
+        lift = {**obj["lift"], "prior": tuple(obj["lift"]["prior"]), "prior_sd": tuple(obj["lift"]["prior_sd"])}
+        return cls(Lift(**lift), Scale(**obj["scale"]), obj["seconds"], obj["tried"])
 
 
 @dataclass
@@ -206,7 +287,7 @@ def cost_tokens(rates: Rates, seconds: float) -> float:
 
 @dataclass(frozen=True)
 class ArmEstimate:
-    """Served tokens over the horizon: ``gain`` from the optimistic recovery, ``mean_gain`` from the plain one."""
+    """Served tokens over the horizon: ``gain`` from the optimistic prediction, ``mean_gain`` from the plain one."""
 
     arm: str
     tau_gain: float
@@ -224,20 +305,19 @@ class ArmEstimate:
         return self.mean_gain - self.cost <= 0
 
 
-def pooled_priors(arms: tuple[Arm, ...], stats: dict[str, ArmStats], config: BanditConfig) -> tuple[float, float]:
-    """What an arm not yet judged or measured borrows from the others: the recovery fraction the judged arms
-    realised, pooled with ``prior_recovery`` counted as one outcome, and their measured seconds per optimiser
-    step (``prior_seconds_per_step`` before any was measured)."""
-    judged = [stats[a.name].recovery for a in arms if stats[a.name].recovery.n]
-    outcomes = sum(r.n for r in judged)
-    recovery = (config.prior_recovery + sum(r.mean * r.n for r in judged)) / (1 + outcomes)
+def pooled_priors(arms: tuple[Arm, ...], stats: dict[str, ArmStats], config: BanditConfig) -> tuple[Lift, float]:
+    """What an arm not yet tried borrows from the others: the prior regression with every tried arm's
+    observations, and their measured seconds per optimiser step (``prior_seconds_per_step`` before any was
+    measured)."""
+    fresh = ArmStats.fresh(config).lift
+    lift = fresh.pooled([stats[a.name].lift for a in arms if stats[a.name].lift.n])
     per_step = [stats[a.name].seconds / a.steps for a in arms if stats[a.name].seconds is not None]
-    return recovery, (sum(per_step) / len(per_step) if per_step else config.prior_seconds_per_step)
+    return lift, (sum(per_step) / len(per_step) if per_step else config.prior_seconds_per_step)
 
 
 def plan(
     rates: Rates,
-    tau_ref: float,
+    context: Context,
     arms: tuple[Arm, ...],
     stats: dict[str, ArmStats],
     config: BanditConfig,
@@ -246,17 +326,17 @@ def plan(
     """The arm with the largest expected net gain, or ``SKIP`` when none is positive or the best one is
     exploration costing more than ``explore_left`` served tokens, and every arm's estimate.
 
-    Expected τ gain of an arm = its optimistic recovery fraction × headroom ``max(0, tau_ref - τ)``; an arm not
-    yet judged or measured starts from ``pooled_priors``.
+    Expected τ gain of an arm = τ × its shadow→live scale × its regression's optimistic relative gain in
+    ``context``; an arm not yet tried or measured starts from ``pooled_priors``.
     """
-    headroom = max(0.0, tau_ref - rates.tau)
-    recovery_prior, seconds_per_step = pooled_priors(arms, stats, config)
+    pooled, seconds_per_step = pooled_priors(arms, stats, config)
     estimates = []
     for arm in arms:
         s = stats[arm.name]
-        recovery = s.recovery if s.recovery.n else Running(recovery_prior, s.recovery.prior_sd)
-        tau_gain = max(0.0, recovery.upper(config.ucb)) * headroom
-        mean_gain = gain_tokens(rates, rates.tau + max(0.0, recovery.estimate) * headroom, config)
+        lift = s.lift if s.lift.n else pooled
+        scale = max(0.0, s.scale.estimate)
+        tau_gain = rates.tau * scale * max(0.0, lift.upper(context.x, config.ucb))
+        mean_gain = gain_tokens(rates, rates.tau * (1 + scale * max(0.0, lift.mean(context.x))), config)
         seconds = s.seconds if s.seconds is not None else arm.steps * seconds_per_step
         cost = cost_tokens(rates, seconds + config.swap_seconds)
         gain = gain_tokens(rates, rates.tau + tau_gain, config)
@@ -267,10 +347,18 @@ def plan(
     return best.arm, estimates
 
 
-def shadow_tau(rates: Rates, served: float, candidate: float, correction: float) -> float:
-    """Live τ predicted for a candidate from the shadow evaluation: the served version's live τ plus the
-    corrected shadow difference (expected tokens per step on the same held-back contexts)."""
-    return rates.tau + correction * (candidate - served)
+def shadow_gain(served: float, candidate: float) -> float:
+    """The relative gain the shadow evaluation measured: expected tokens per step on the same held-back contexts
+    (NaN when either is not finite or the served one is not positive)."""
+    if not (math.isfinite(served) and math.isfinite(candidate)) or served <= 0:
+        return math.nan
+    return candidate / served - 1.0
+
+
+def shadow_tau(rates: Rates, gain: float, scale: float) -> float:
+    """Live τ predicted for a candidate whose shadow gain is ``gain``: the served version's live τ scaled by the
+    learnt shadow→live factor."""
+    return rates.tau * (1.0 + scale * gain)
 
 
 def should_publish(rates: Rates, tau_new: float, config: BanditConfig) -> bool:

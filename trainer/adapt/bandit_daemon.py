@@ -8,12 +8,13 @@ Run it on CPU next to a log directory whose step records carry the published ver
 The rule (estimates in trainer/adapt/bandit.py): when the served version has a full window of live steps,
 (1) τ collapsing raises the alarm (exit code 3, a log line, ``alarm`` in the metrics) after rolling back to the
 previous version when there is one; (2) a version published by an earlier decision is judged: its live τ is
-the realised outcome that updates the arm's learnt factors, and it is rolled back when it fell below the
-previous version's τ by the margin; (3) otherwise every arm's expected net gain is estimated and the best arm
-runs if it is positive: the candidate, a copy of the served drafter, takes the arm's steps on replayed
-requests through the training-step API (trainer/training/step.py), is shadow-evaluated on held-back logged
-contexts against their logged target top-k, and is published when its predicted gain beats the swap. A failed
-or non-finite update is logged and leaves the served version as it is.
+the realised outcome that updates the arm's shadow→live scale, and it is rolled back when it fell below the
+previous version's τ by the margin; (3) otherwise every arm's expected net gain in the served version's context
+(novelty, drift) is estimated and the best arm runs if it is positive: the candidate, a copy of the served
+drafter, takes the arm's steps on replayed requests through the training-step API (trainer/training/step.py),
+is shadow-evaluated on held-back logged contexts against their logged target top-k (the gain it shows trains the
+arm's regression), and is published when its predicted gain beats the swap. A failed or non-finite update is
+logged and leaves the served version as it is.
 
 State (``STATE/state.json``, replaced atomically): read offsets, the replay buffer, live τ per version, what the
 bandit learnt, the decision awaiting its outcome, and the lengths of ``STATE/quarantine.jsonl`` and
@@ -43,16 +44,17 @@ from trainer.adapt.bandit import (
     Arm,
     ArmStats,
     BanditConfig,
+    Context,
     LiveTau,
     Rates,
     Replay,
-    Running,
     acceptance,
     collapsed,
     cost_tokens,
     expected_accepted,
     plan,
     rolled_back,
+    shadow_gain,
     shadow_tau,
     should_publish,
     step_seconds,
@@ -61,6 +63,7 @@ from trainer.adapt.bandit import (
 from trainer.adapt.graft import StateError
 from trainer.adapt.journal import append_lines, lock_state_dir, quarantine_lines, run_until_signalled, truncate_to
 from trainer.adapt.publish import publish, read_current, read_manifest
+from trainer.data.features import FEATURE_KEYS, with_features
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.specblock import SpecBlockDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
@@ -156,13 +159,14 @@ class BanditDaemon:
         self.options = options or update_options(self.drafter)
         self.arms = tuple(a for a in arms if a.params != "approx" or isinstance(self.drafter, TreeFlashDraftModel))
         for arm in self.arms:
-            self.state["arms"].setdefault(arm.name, _stats_json(ArmStats.fresh(config)))
+            self.state["arms"].setdefault(arm.name, ArmStats.fresh(config).to_json())
         self.target = Target(model, target_layer_ids(self.drafter))
         truncate_to(self.state_dir / QUARANTINE, self.state["quarantine_bytes"])
         truncate_to(self.state_dir / DECISIONS, self.state["decisions_bytes"])
         self.reader = LogReader(self.logs, self.state["offsets"], vocab_size=self.vocab_size)
         self.stop = threading.Event()
         self.alarm: str | None = None
+        self._feature_cache: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
 
     def close(self) -> None:
         """Release the state directory."""
@@ -190,6 +194,8 @@ class BanditDaemon:
             "previous": previous,
             "live": {},
             "ref": {},
+            # Per version: how many requests the replay had seen when its drafter was trained (novelty).
+            "trained_at": {str(version): (pending or {}).get("seen", 0)},
             "arms": {},
             "pending": pending,
             "replay": Replay(self.config.buffer_requests, self.config.holdout_every).to_json(),
@@ -218,6 +224,7 @@ class BanditDaemon:
             manifest = read_manifest(current[1])
             state["previous"], state["version"] = manifest.get("parent", state["version"]), current[0]
             state["pending"] = manifest.get("decision")
+            state["trained_at"][str(current[0])] = (state["pending"] or {}).get("seen", state["replay"]["seen"])
         return state
 
     def commit(self) -> None:
@@ -296,6 +303,14 @@ class BanditDaemon:
         rate = self.state["requests"] / max(self.state["serving_seconds"], 1e-9)
         return Rates(live.tau, live.step_seconds, rate)
 
+    def context(self, rates: Rates) -> Context:
+        """The served version's novelty and drift (trainer/adapt/bandit.py)."""
+        version = str(self.state["version"])
+        seen = self.state["replay"]["seen"] - self.state["trained_at"].get(version, 0)
+        novelty = min(1.0, max(0, seen) / self.config.buffer_requests)
+        drift = max(0.0, self.state["ref"][version] - rates.tau) / rates.tau
+        return Context(novelty, drift)
+
     def decide(self) -> None:
         """One decision if the served version has a full live window (see the module docstring)."""
         version = self.state["version"]
@@ -303,8 +318,8 @@ class BanditDaemon:
         if not live.full or self.state["requests"] == 0:
             return
         if str(version) not in self.state["ref"]:
-            # An update's version inherits its parent's reference: the headroom stays measured from the τ before
-            # the drift until updates recover it (or the learnt recovery says they cannot).
+            # An update's version inherits its parent's reference: the drift stays measured from the τ before it
+            # until updates recover it (or the learnt regression says they cannot).
             parent = self.state["ref"].get(str(self.state["previous"]), 0.0) if self.state["pending"] else 0.0
             self.state["ref"][str(version)] = max(live.tau, parent)
         best = max(self.state["ref"].values())
@@ -329,6 +344,7 @@ class BanditDaemon:
         """Publish the drafter of an earlier version again, as a new version."""
         model = load_drafter(self.publish_dir / f"v{version:06d}")
         new = publish(self.publish_dir, model.save_pretrained, {"kind": "drafter", "rollback_of": version, "why": why})
+        self.state["trained_at"][str(new)] = self.state["trained_at"].get(str(version), 0)
         self.state["previous"], self.state["version"] = None, new
         self.state["pending"] = None
         self.state["rollbacks"] += 1
@@ -339,12 +355,9 @@ class BanditDaemon:
         """The realised outcome of the last published update: learn from it, roll back if worse."""
         pending = self.state["pending"]
         realised = live.tau - pending["tau_before"]
-        stats = _stats(self.state["arms"][pending["arm"]])
-        if pending["headroom"] > 0:
-            stats.recovery.add(realised / pending["headroom"])
-        if abs(pending["shadow_gain"]) > 1e-6:
-            stats.correction.add(realised / pending["shadow_gain"])
-        self.state["arms"][pending["arm"]] = _stats_json(stats)
+        stats = ArmStats.from_json(self.state["arms"][pending["arm"]])
+        stats.scale.add(pending["shadow_gain"], realised / pending["tau_before"])
+        self.state["arms"][pending["arm"]] = stats.to_json()
         entry = {"event": "outcome", "decision": pending["decision"], "arm": pending["arm"], "tau": live.tau}
         entry |= {"tau_before": pending["tau_before"], "realised_gain": realised, "predicted": pending["tau_new"]}
         self.state["pending"] = None
@@ -355,17 +368,18 @@ class BanditDaemon:
     def _choose(self, live: LiveTau) -> None:
         rates = self.rates()
         version = self.state["version"]
-        stats = {name: _stats(obj) for name, obj in self.state["arms"].items()}
+        stats = {name: ArmStats.from_json(obj) for name, obj in self.state["arms"].items()}
         explore_left = self.config.explore_share * self.state["served_tokens"] - self.state["explore_tokens"]
-        ref = self.state["ref"][str(version)]
-        arm_name, estimates = plan(rates, ref, self.arms, stats, self.config, explore_left)
         replay = Replay.from_json(self.state["replay"])
+        context = self.context(rates)
+        arm_name, estimates = plan(rates, context, self.arms, stats, self.config, explore_left)
         if not any(r["steps"] for r in replay.holdout) or not replay.train:
             # A candidate could be neither trained nor judged: spending the update would buy nothing.
             arm_name = SKIP
         self.state["decisions"] += 1
         entry = {"event": "decision", "decision": self.state["decisions"], "version": version, "tau": rates.tau}
         entry |= {"tau_ref": self.state["ref"][str(version)], "step_seconds": rates.step_seconds}
+        entry |= {"novelty": context.novelty, "drift": context.drift}
         entry |= {"request_rate": rates.request_rate, "horizon_s": rates.horizon_seconds(self.config)}
         entry |= {"estimates": [asdict(e) | {"net": e.net, "exploring": e.exploring} for e in estimates]}
         entry |= {"arm": arm_name, "explore_left": explore_left}
@@ -392,21 +406,23 @@ class BanditDaemon:
         seconds = time.perf_counter() - started
         if next(e for e in estimates if e.arm == arm_name).exploring:
             self.state["explore_tokens"] += cost_tokens(rates, seconds)
+        gain = shadow_gain(served_shadow, cand_shadow)
         stats[arm_name].measured(seconds)
         stats[arm_name].tried += 1
-        self.state["arms"][arm_name] = _stats_json(stats[arm_name])
-        correction = max(0.0, stats[arm_name].correction.estimate)
-        tau_new = shadow_tau(rates, served_shadow, cand_shadow, correction)
+        if math.isfinite(gain):
+            stats[arm_name].lift.add(context.x, gain)
+        self.state["arms"][arm_name] = stats[arm_name].to_json()
+        tau_new = shadow_tau(rates, gain, max(0.0, stats[arm_name].scale.estimate))
         entry |= {"update_seconds": seconds, "shadow_served": served_shadow, "shadow_candidate": cand_shadow}
-        entry |= {"tau_new": tau_new, "published": None}
+        entry |= {"shadow_gain": gain, "tau_new": tau_new, "published": None}
         if candidate is not None and (reason := broken(candidate)) is not None:
             entry["failed"] = reason
         elif candidate is not None and should_publish(rates, tau_new, self.config):
             pending = {"decision": self.state["decisions"], "arm": arm_name, "tau_before": rates.tau}
-            pending |= {"headroom": max(0.0, self.state["ref"][str(version)] - rates.tau), "tau_new": tau_new}
-            pending["shadow_gain"] = cand_shadow - served_shadow
+            pending |= {"tau_new": tau_new, "shadow_gain": gain, "seen": replay.seen}
             manifest = {"kind": "drafter", "parent": version, "decision": pending}
             new = publish(self.publish_dir, candidate.save_pretrained, manifest, keep=self.keep)
+            self.state["trained_at"][str(new)] = replay.seen
             entry["published"] = new
             self.state["previous"], self.state["version"], self.state["pending"] = version, new, pending
             self.state["updates"] += 1
@@ -423,9 +439,30 @@ class BanditDaemon:
     def _batch(self, replay: Replay) -> dict[str, torch.Tensor]:
         picks = [self.rng.choice(replay.train) for _ in range(self.batch_requests)]
         seqs = [(r["prompt"] + r["output"])[: self.max_length] for r in picks]
-        return context_batch(
-            seqs, [min(len(r["prompt"]), len(s) - 1) for r, s in zip(picks, seqs, strict=True)], pad_id=0
-        )
+        starts = [min(len(r["prompt"]), len(s) - 1) for r, s in zip(picks, seqs, strict=True)]
+        batch = context_batch(seqs, starts, pad_id=0)
+        rows = [self._features(seq) for seq in seqs]
+        width = batch["input_ids"].shape[1]
+        for key in FEATURE_KEYS:
+            # Right-padded like the ids; padded positions are outside every sample (doc id 0), so never read.
+            out = rows[0][key].new_zeros((len(rows), width, *rows[0][key].shape[1:]))
+            for i, row in enumerate(rows):
+                out[i, : len(row[key])] = row[key]
+            batch[key] = out
+        return batch
+
+    def _features(self, seq: list[int]) -> dict[str, torch.Tensor]:
+        """The target's features of one replayed sequence, computed once: every update step that draws it again
+        (and every later update while it stays in the buffer) reuses them. Bounded: the least recently computed
+        go first beyond twice the buffer."""
+        key = tuple(seq)
+        row = self._feature_cache.get(key)
+        if row is None:
+            batch = with_features(context_batch([seq], [0], pad_id=0), self.target, self.options.topk)
+            row = self._feature_cache[key] = {k: batch[k][0] for k in FEATURE_KEYS}
+            while len(self._feature_cache) > 2 * self.config.buffer_requests:
+                self._feature_cache.pop(next(iter(self._feature_cache)))
+        return row
 
     def train(self, arm: Arm) -> torch.nn.Module:
         """A candidate: a copy of the served drafter after the arm's steps on replayed requests."""
@@ -507,14 +544,6 @@ class BanditDaemon:
                 return 0
             if n == 0:
                 self.stop.wait(poll_seconds)
-
-
-def _stats(obj: dict) -> ArmStats:
-    return ArmStats(Running(**obj["recovery"]), Running(**obj["correction"]), obj["seconds"], obj["tried"])
-
-
-def _stats_json(stats: ArmStats) -> dict:
-    return asdict(stats)
 
 
 def run_bandit(

@@ -338,4 +338,3 @@ def _fields(index: int, line: bytes, doc: object, vocab_size: int) -> _Line | No
 def decode_batch(lines: list[bytes], vocab_size: int) -> Decoded:
     """Decode and validate a batch of log lines (each without its newline); see the module docstring."""
     return BatchDecoder(vocab_size)(lines)
-
