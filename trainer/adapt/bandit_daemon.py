@@ -132,7 +132,7 @@ class BanditDaemon:
         config: BanditConfig = DEFAULT_CONFIG,
         arms: tuple[Arm, ...] = DEFAULT_ARMS,
         options: StepOptions | None = None,
-        batch_requests: int = 4,
+        batch_requests: int = 8,
         max_length: int = 256,
         keep: int = 5,
         seed: int = 0,
