@@ -28,6 +28,7 @@ from trainer.adapt.bandit import (
     acceptance,
     collapsed,
     cost_tokens,
+    drift,
     expected_accepted,
     gain_tokens,
     plan,
@@ -201,6 +202,11 @@ def test_step_tokens_seconds_and_rates_known_answers():
     for accepted in (0, 3, 1):
         live.add(step_tokens(_step("r", 1, 0, 0, accepted)), 0.1)
     assert live.full and live.tau == pytest.approx(3.0) and live.steps == 3  # window: the last two steps (4, 2)
+    assert live.se == pytest.approx(1.0)  # sd √2 over √2 steps
+    # Drift counts only what exceeds the noise of two windows: τ 3 against a reference 4 is within 2·√2·1.
+    assert drift(4.0, live, BanditConfig(noise_z=2.0)) == 0.0
+    assert drift(4.0, live, BanditConfig(noise_z=0.0)) == pytest.approx(1 / 3)
+    assert drift(3.0 + 2 * math.sqrt(2) + 0.3, live, BanditConfig(noise_z=2.0)) == pytest.approx(0.1)
     rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
     config = BanditConfig(horizon_requests=10)
     # θ = 20 tok/s, horizon 10 / 0.5 = 20 s: 400 tokens; τ 2 → 3 serves half as many more.
@@ -342,8 +348,10 @@ def test_exploration_spends_at_most_its_budget():
 
 
 def test_rollback_and_collapse_rules():
-    config = BanditConfig(rollback_margin=0.1, collapse_ratio=0.5, collapse_tau=1.0)
+    config = BanditConfig(rollback_margin=0.1, collapse_ratio=0.5, collapse_tau=1.0, noise_z=2.0)
     assert rolled_back(3.0, 2.85, config) and not rolled_back(3.0, 2.95, config)
+    # Within two standard errors of the windows' difference, a fall is noise: no rollback.
+    assert not rolled_back(3.0, 2.85, config, se=0.05) and rolled_back(3.0, 2.75, config, se=0.05)
     assert collapsed(1.0, 1.2, config) and collapsed(1.4, 3.0, config)
     assert not collapsed(2.0, 3.0, config) and not collapsed(1.05, 1.2, config)
 

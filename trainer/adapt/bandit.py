@@ -78,6 +78,8 @@ class BanditConfig:
     horizon_requests: float = 256.0
     window_steps: int = 64
     rollback_margin: float = 0.05
+    # Differences of live τ within this many standard errors of the windows are noise (drift, rollback).
+    noise_z: float = 2.0
     collapse_ratio: float = 0.5
     collapse_tau: float = 1.0
     ucb: float = 1.0
@@ -235,6 +237,16 @@ class LiveTau:
         return sum(t for t, _ in self.recent) / len(self.recent) if self.recent else math.nan
 
     @property
+    def se(self) -> float:
+        """Standard error of ``tau`` (0 with fewer than two steps): steps commit 1 to budget + 1 tokens, so a
+        window's τ carries noise that a difference of two windows must exceed to mean anything."""
+        n = len(self.recent)
+        if n < 2:
+            return 0.0
+        mean = self.tau
+        return math.sqrt(sum((t - mean) ** 2 for t, _ in self.recent) / (n - 1) / n)
+
+    @property
     def step_seconds(self) -> float:
         return sum(s for _, s in self.recent) / len(self.recent) if self.recent else math.nan
 
@@ -366,9 +378,17 @@ def should_publish(rates: Rates, tau_new: float, config: BanditConfig) -> bool:
     return math.isfinite(tau_new) and gain_tokens(rates, tau_new, config) > cost_tokens(rates, config.swap_seconds)
 
 
-def rolled_back(previous: float, new: float, config: BanditConfig) -> bool:
-    """The new version's windowed live τ fell below the previous one's by more than the margin."""
-    return new < previous - config.rollback_margin
+def rolled_back(previous: float, new: float, config: BanditConfig, se: float = 0.0) -> bool:
+    """The new version's windowed live τ fell below the previous one's by more than the margin plus ``noise_z``
+    standard errors ``se`` of the difference."""
+    return new < previous - config.rollback_margin - config.noise_z * se
+
+
+def drift(tau_ref: float, live: LiveTau, config: BanditConfig) -> float:
+    """Relative drift ``max(0, τ_ref - τ - noise_z · se) / τ``: the reference is one window too, so the difference
+    of the two carries about √2 times one window's standard error; only what exceeds that counts."""
+    gap = tau_ref - live.tau - config.noise_z * math.sqrt(2) * live.se
+    return max(0.0, gap) / live.tau
 
 
 def collapsed(tau: float, best: float, config: BanditConfig) -> bool:

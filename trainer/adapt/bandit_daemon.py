@@ -51,6 +51,7 @@ from trainer.adapt.bandit import (
     acceptance,
     collapsed,
     cost_tokens,
+    drift,
     expected_accepted,
     plan,
     rolled_back,
@@ -308,8 +309,7 @@ class BanditDaemon:
         version = str(self.state["version"])
         seen = self.state["replay"]["seen"] - self.state["trained_at"].get(version, 0)
         novelty = min(1.0, max(0, seen) / self.config.buffer_requests)
-        drift = max(0.0, self.state["ref"][version] - rates.tau) / rates.tau
-        return Context(novelty, drift)
+        return Context(novelty, drift(self.state["ref"][version], self._live(self.state["version"]), self.config))
 
     def decide(self) -> None:
         """One decision if the served version has a full live window (see the module docstring)."""
@@ -361,7 +361,8 @@ class BanditDaemon:
         entry = {"event": "outcome", "decision": pending["decision"], "arm": pending["arm"], "tau": live.tau}
         entry |= {"tau_before": pending["tau_before"], "realised_gain": realised, "predicted": pending["tau_new"]}
         self.state["pending"] = None
-        if rolled_back(pending["tau_before"], live.tau, self.config) and self.state["previous"] is not None:
+        se = math.hypot(pending.get("tau_before_se", 0.0), live.se)
+        if rolled_back(pending["tau_before"], live.tau, self.config, se) and self.state["previous"] is not None:
             entry["rolled_back_to"] = self._republish(self.state["previous"], "rollback")
         self._log(entry)
 
@@ -419,6 +420,7 @@ class BanditDaemon:
             entry["failed"] = reason
         elif candidate is not None and should_publish(rates, tau_new, self.config):
             pending = {"decision": self.state["decisions"], "arm": arm_name, "tau_before": rates.tau}
+            pending["tau_before_se"] = live.se
             pending |= {"tau_new": tau_new, "shadow_gain": gain, "seen": replay.seen}
             manifest = {"kind": "drafter", "parent": version, "decision": pending}
             new = publish(self.publish_dir, candidate.save_pretrained, manifest, keep=self.keep)

@@ -102,6 +102,11 @@ class Policy(Protocol):
 
     def observe(self, tree: str, budget: int, batch_size: int, rows: list[RowStep], seconds: float) -> None: ...
 
+    def speculating(self) -> bool:
+        """Whether steps draft now: if not, a request admitted now skips the prompt evidence that only drafting
+        uses (the logits of every prompt position, an LM head over the whole prompt)."""
+        ...
+
 
 @dataclass
 class Fixed:
@@ -115,6 +120,9 @@ class Fixed:
 
     def observe(self, tree: str, budget: int, batch_size: int, rows: list[RowStep], seconds: float) -> None:
         return None
+
+    def speculating(self) -> bool:
+        return self.tree != "none"
 
 
 class RaggedCache:
@@ -334,7 +342,7 @@ class BatchEngine:
             input_ids=prompt[None],
             use_cache=True,
             output_hidden_states=bool(layer_ids),
-            logits_to_keep=0 if any(s.needs_prompt_logits for s in sessions) else 1,
+            logits_to_keep=0 if self._prompt_logits(sessions) else 1,
             **{self.cache_kw: cache},
         )
         logits = out.logits[0].float()
@@ -351,6 +359,13 @@ class BatchEngine:
         elif request.remaining <= 0:
             self._finish(request, "length")
         return None if request.finished else cache
+
+    def _prompt_logits(self, sessions: list[DraftSession]) -> bool:
+        """Prefill computes every prompt position's logits when a session learns from them and either the policy
+        is drafting or the verifier log wants the prompt's top-k (``prefill_topk``, the graft daemon's evidence).
+        Otherwise only the last position's: a session then learns from that one (``RecyclingSession.start``)."""
+        needed = any(s.needs_prompt_logits for s in sessions)
+        return needed and (self.prefill_topk > 0 or self.policy.speculating())
 
     def _admit(self) -> None:
         while len(self.rows) < self.max_batch and not self.pending.empty():

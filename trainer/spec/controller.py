@@ -122,6 +122,10 @@ class Controller:
         self.loss = 1.0 if never else loss[self.last]
         return self.last
 
+    def speculating(self) -> bool:
+        """Whether the latest step drafted (plain decoding was neither the best estimate nor probed)."""
+        return self.last[0] != "none"
+
     def observe(self, tree: str, budget: int, batch_size: int, rows: list[RowStep], seconds: float) -> None:
         self.seconds += seconds
         self.probe_seconds += seconds * self.loss

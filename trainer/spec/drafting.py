@@ -296,7 +296,9 @@ class RecyclingSession(DraftSession):
         self.adjacency[tokens[keep]] = top.to(self.adjacency.device)
 
     def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
-        self.learn(prompt, logits)
+        # The prompt's last positions whose logits the prefill computed: all of them, or only the last when the
+        # engine's policy was not drafting (trainer/spec/batch.py).
+        self.learn(prompt[prompt.numel() - logits.shape[0] :], logits)
 
     def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:
         self.learn(tree.tokens.to(logits.device), logits)
