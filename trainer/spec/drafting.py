@@ -70,18 +70,27 @@ class ContextSession(DraftSession):
         self.head = target.get_output_embeddings()
         self.layer_ids = tuple(layer_ids)
         self.tokens: list[int] = []
-        # Shape: (1, C, n*H) for the C committed positions not consumed yet.
-        self.pending: torch.Tensor | None = None
+        # Shapes: (c_i, n*H) per commit, for the C = Σ c_i committed positions not consumed yet; concatenated when
+        # taken, so steps that do not draft (plain decoding chosen by a controller) cost a list append each.
+        self._pending: list[torch.Tensor] = []
         self.entered = 0
 
     def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
         self.tokens = prompt.tolist()
-        self.pending = features[None]
+        self._pending = [features]
 
     def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:
         self.tokens += tokens
-        new = features[None]
-        self.pending = new if self.pending is None else torch.cat([self.pending, new], dim=1)
+        self._pending.append(features)
+
+    @property
+    def pending(self) -> torch.Tensor | None:
+        """Shape: (1, C, n*H) the features of the committed positions not consumed yet (None: all consumed)."""
+        if not self._pending:
+            return None
+        if len(self._pending) > 1:
+            self._pending = [torch.cat(self._pending, dim=0)]
+        return self._pending[0][None]
 
     @property
     def device(self) -> torch.device:
@@ -90,7 +99,7 @@ class ContextSession(DraftSession):
     def take_pending(self) -> tuple[int, int, torch.Tensor | None]:
         """Consume the pending features: ``(first position, end position, features or None)``."""
         start, end, pending = self.entered, len(self.tokens), self.pending
-        self.entered, self.pending = end, None
+        self.entered, self._pending = end, []
         return start, end, pending
 
 
@@ -288,12 +297,14 @@ class RecyclingSession(DraftSession):
         """``adjacency[tokens[i]] = top-width(logits[i])``; a token seen twice keeps its last row, so learning
         several trees' nodes concatenated in order equals learning them one after another."""
         tokens = tokens.to(self.adjacency.device)
-        order = torch.arange(tokens.numel(), device=tokens.device)
-        last = torch.full((self.adjacency.shape[0],), -1, dtype=torch.long, device=tokens.device)
-        last = last.scatter_reduce(0, tokens, order, reduce="amax")
-        keep = last[tokens] == order
-        top = logits[keep.to(logits.device)].topk(self.adjacency.shape[1], dim=-1).indices
-        self.adjacency[tokens[keep]] = top.to(self.adjacency.device)
+        # The last occurrence of each token, found in Python: calls carry a prompt or a batch's trees (tens to
+        # hundreds of ids), for which a vocabulary-sized scatter costs more than the dictionary.
+        last = {token: i for i, token in enumerate(tokens.tolist())}
+        if len(last) < tokens.numel():
+            keep = torch.tensor(sorted(last.values()), dtype=torch.long)
+            tokens, logits = tokens[keep.to(tokens.device)], logits[keep.to(logits.device)]
+        top = logits.topk(self.adjacency.shape[1], dim=-1).indices
+        self.adjacency[tokens] = top.to(self.adjacency.device)
 
     def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
         # The prompt's last positions whose logits the prefill computed: all of them, or only the last when the
