@@ -83,7 +83,8 @@ class BanditConfig:
     collapse_ratio: float = 0.5
     collapse_tau: float = 1.0
     ucb: float = 1.0
-    prior_lift: float = 0.1
+    # The mean gain of one update on a buffer of fresh traffic in the sweeps above (+1% to +14%).
+    prior_lift: float = 0.05
     prior_recovery: float = 0.5
     shadow_noise: float = 0.05
     lift_decay: float = 0.7
