@@ -379,7 +379,8 @@ def test_recorder_logs_the_targets_topk_whether_reduced_here_or_on_the_writer_th
 def test_two_stage_topk_equals_the_full_topk(vocab):
     import torch
 
-    from trainer.vlog.recorder import CHUNK, _top
+    from trainer.sampling import CHUNK, top_rows
+    from trainer.vlog.recorder import _top
 
     torch.manual_seed(0)
     logits = torch.randn(6, vocab)
@@ -391,6 +392,8 @@ def test_two_stage_topk_equals_the_full_topk(vocab):
     expected = logits.log_softmax(-1).topk(8, dim=-1)
     assert torch.equal(ids, expected.indices)
     assert torch.equal(logprobs, expected.values)
+    raw = top_rows(logits, 8)  # what Token Recycling keeps: the same selection on raw logits
+    assert torch.equal(raw[0], logits.topk(8, dim=-1).indices) and torch.equal(raw[1], logits.topk(8, dim=-1).values)
 
 
 # ---- trainer eval --logs --------------------------------------------------------------------------------------

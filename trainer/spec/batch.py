@@ -450,24 +450,32 @@ class BatchEngine:
                 for b, (r, tree) in enumerate(zip(rows, trees, strict=True))
             ]
         with clock("commit"):
+            news = [
+                committed(tree, result, r.remaining, r.stop_token_ids)
+                for r, tree, result in zip(rows, trees, results, strict=True)
+            ]
+            paths = [result.path[: len(new)] for result, new in zip(results, news, strict=True)]
+            # The committed (row, node) pairs of the whole batch, indexed once: per-row tensor indexing costs more
+            # than the rows' work when a step commits one token each (plain decoding at a large batch).
+            row_of = torch.tensor([b for b, path in enumerate(paths) for _ in path])
+            col_of = torch.tensor([node for path in paths for node in path])
             appended = torch.zeros(batch, width, dtype=torch.bool)
-            # Shape: (B, T, n*H) per distinct feature set, gathered once for the whole batch.
-            features = {ids_: self._features(out, ids_, slice(None), slice(None)) for ids_ in self._layer_sets(rows)}
-            news = []
-            for b, (request, tree, result) in enumerate(zip(rows, trees, results, strict=True)):
-                new = committed(tree, result, request.remaining, request.stop_token_ids)
-                path = result.path[: len(new)]
-                appended[b, path] = True
-                cols = torch.tensor(path, device=self.device)
+            appended[row_of, col_of] = True
+            counts = [len(path) for path in paths]
+            # Per distinct feature set: each row's committed nodes' features. Shapes: (len(path_b), n*H) views.
+            features = {
+                ids_: torch.split(self._features(out, ids_, row_of.to(self.device), col_of.to(self.device)), counts)
+                for ids_ in self._layer_sets(rows)
+            }
+            for b, (request, tree, new, path) in enumerate(zip(rows, trees, news, paths, strict=True)):
                 row_logits = logits[b, : tree.tokens.numel()]
                 for session in request.sessions.values():
                     if session is self.recycling:
                         continue
-                    row_features = features[session.layer_ids][b, cols] if session.layer_ids else None
+                    row_features = features[session.layer_ids][b] if session.layer_ids else None
                     session.commit([request.tokens[-1], *new[:-1]], row_features, tree, row_logits)
                 request.past_len += len(path)
                 request.tokens.extend(new)
-                news.append(new)
             if any(self.recycling in r.sessions.values() for r in rows):
                 # The shared adjacency learns every row's verified nodes in one call, rows in order (what one
                 # call per row would leave). Shape: nodes (B, T) bool, the real nodes of each row.

@@ -36,6 +36,7 @@ from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
 from trainer.masks import additive_mask
 from trainer.paths import project_path
+from trainer.sampling import top_rows
 from trainer.spec.tree import Transitions, Tree
 from trainer.spec.verify import growing_cache
 
@@ -303,7 +304,7 @@ class RecyclingSession(DraftSession):
         if len(last) < tokens.numel():
             keep = torch.tensor(sorted(last.values()), dtype=torch.long)
             tokens, logits = tokens[keep.to(tokens.device)], logits[keep.to(logits.device)]
-        top = logits.topk(self.adjacency.shape[1], dim=-1).indices
+        top = top_rows(logits, self.adjacency.shape[1])[0]
         self.adjacency[tokens] = top.to(self.adjacency.device)
 
     def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ import threading
 import numpy as np
 import torch
 
+from trainer.sampling import top_rows
 from trainer.spec.engine import StepEvent
 from trainer.vlog.schema import MIN_TOPK, request_record, step_record
 from trainer.vlog.writer import LogWriter
@@ -27,9 +28,6 @@ from trainer.vlog.writer import LogWriter
 # Log-probs are logged to 1e-4 nats: short decimals halve the line and its parsing time.
 LOGPROB_DECIMALS = 4
 
-
-# Width of the chunks whose maxima pre-select the top-k (see ``_top``); 64 measured fastest for 8192 to 152k logits.
-CHUNK = 64
 
 # Per thread, the log-softmax output of the last call, reused: a fresh (N + 1, V) tensor per step is a fresh
 # mapping of a few MB whose page faults cost as much as the log-softmax itself.
@@ -46,26 +44,9 @@ def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k ids and their log-probs per row. Shapes: (N + 1, V) -> (N + 1, k) each.
-
-    The log-softmax is one fused pass (cheaper than a separate logsumexp). A full-width ``topk`` costs more than
-    it does, so the top-k is taken in two stages: the maximum of every chunk of ``CHUNK`` log-probs (a
-    contiguous reduction), then ``topk`` over the k chunks with the largest maxima only. Exact: each of a row's
-    k best values lies in a chunk whose maximum is at least that value, and at most k - 1 other chunks can
-    have a larger one."""
-    logprobs = _log_softmax(logits)
-    rows, vocab = logprobs.shape
-    if vocab % CHUNK or vocab // CHUNK < k:
-        top = logprobs.topk(k, dim=-1)
-        return top.indices, top.values
-    per_row = vocab // CHUNK
-    best = logprobs.view(rows, per_row, CHUNK).amax(-1).topk(k, dim=-1).indices  # Shape: (N + 1, k) chunk indices
-    # Whole chunks are contiguous rows of this view: index_select copies them (cheaper than an element gather).
-    chunk_rows = (best + torch.arange(rows, device=best.device)[:, None] * per_row).view(-1)
-    candidates = logprobs.view(-1, CHUNK).index_select(0, chunk_rows).view(rows, k * CHUNK)
-    top = candidates.topk(k, dim=-1)
-    ids = best.gather(1, top.indices // CHUNK) * CHUNK + top.indices % CHUNK
-    return ids, top.values
+    """Top-k ids and their log-probs per row. Shapes: (N + 1, V) -> (N + 1, k) each. The log-softmax is one
+    fused pass (cheaper than a separate logsumexp); ``top_rows`` then selects without a full-width ``topk``."""
+    return top_rows(_log_softmax(logits), k)
 
 
 class StepRecorder:
