@@ -238,7 +238,7 @@ FRESH = Context(novelty=1.0, drift=0.0)  # a buffer of traffic the served drafte
 
 def test_lift_regression_known_answers():
     """Posterior of ``y = w · x`` with prior N((0.1, 0.5), diag(0.1², 0.5²)) and noise 0.05, by hand."""
-    lift = ArmStats.fresh(BanditConfig(prior_lift=0.1, lift_decay=1.0)).lift
+    lift = ArmStats.fresh(BanditConfig(prior_lift=0.1, prior_recovery=0.5, lift_decay=1.0)).lift
     assert lift.mean((1.0, 0.0)) == pytest.approx(0.1) and lift.upper((1.0, 0.0), 1.0) == pytest.approx(0.2)
     assert lift.mean((0.0, 0.2)) == pytest.approx(0.1) and lift.upper((0.0, 0.2), 2.0) == pytest.approx(0.3)
     lift.add((1.0, 0.0), 0.3)
@@ -247,14 +247,15 @@ def test_lift_regression_known_answers():
     assert lift.upper((1.0, 0.0), 1.0) == pytest.approx(0.26 + math.sqrt(1 / 500))
     assert lift.mean((0.0, 1.0)) == pytest.approx(0.5)  # the drift weight saw nothing
     # With decay, an older observation counts less than a newer one: the mean follows the recent gains.
-    decayed = ArmStats.fresh(BanditConfig(prior_lift=0.1, lift_decay=0.5)).lift
-    undecayed = ArmStats.fresh(BanditConfig(prior_lift=0.1, lift_decay=1.0)).lift
+    decayed = ArmStats.fresh(BanditConfig(prior_lift=0.1, prior_recovery=0.5, lift_decay=0.5)).lift
+    undecayed = ArmStats.fresh(BanditConfig(prior_lift=0.1, prior_recovery=0.5, lift_decay=1.0)).lift
     for y in (0.3, 0.3, 0.0, 0.0):
         decayed.add((1.0, 0.0), y)
         undecayed.add((1.0, 0.0), y)
     assert decayed.mean((1.0, 0.0)) < undecayed.mean((1.0, 0.0)) < 0.16
     # Pooling adds sufficient statistics: two arms' observations equal one arm's with both.
-    a, b, both = (ArmStats.fresh(BanditConfig(prior_lift=0.1, lift_decay=1.0)).lift for _ in range(3))
+    plain = BanditConfig(prior_lift=0.1, prior_recovery=0.5, lift_decay=1.0)
+    a, b, both = (ArmStats.fresh(plain).lift for _ in range(3))
     a.add((1.0, 0.2), 0.1)
     b.add((0.5, 0.0), 0.05)
     both.add((1.0, 0.2), 0.1)
@@ -274,7 +275,7 @@ def test_scale_known_answers():
 
 @pytest.mark.parametrize("seconds", [0.5, 2.0, 8.0, 40.0])
 def test_plan_updates_exactly_when_expected_net_gain_is_positive(seconds):
-    config = BanditConfig(prior_lift=0.1, horizon_requests=10, swap_seconds=0.0)
+    config = BanditConfig(prior_lift=0.1, prior_recovery=0.5, horizon_requests=10, swap_seconds=0.0)
     arms = (Arm("a", "full", 4, 1e-3),)
     stats = {"a": ArmStats.fresh(config)}
     stats["a"].measured(seconds)
@@ -292,7 +293,7 @@ def test_plan_updates_exactly_when_expected_net_gain_is_positive(seconds):
 
 
 def test_plan_learns_from_shadow_outcomes():
-    config = BanditConfig(prior_lift=0.1, horizon_requests=10, swap_seconds=0.0)
+    config = BanditConfig(prior_lift=0.1, prior_recovery=0.5, horizon_requests=10, swap_seconds=0.0)
     arms = (Arm("a", "full", 4, 1e-3), Arm("b", "lora", 4, 1e-3))
     stats = {"a": ArmStats.fresh(config), "b": ArmStats.fresh(config)}
     stats["a"].measured(1.0)
@@ -315,7 +316,7 @@ def test_plan_learns_from_shadow_outcomes():
 
 
 def test_untried_arms_borrow_the_tried_arms_outcomes_and_costs():
-    config = BanditConfig(prior_lift=0.1, horizon_requests=10, swap_seconds=0.0, lift_decay=1.0)
+    config = BanditConfig(prior_lift=0.1, prior_recovery=0.5, horizon_requests=10, swap_seconds=0.0, lift_decay=1.0)
     arms = (Arm("a", "approx", 4, 1e-3), Arm("b", "full", 8, 1e-3))
     stats = {"a": ArmStats.fresh(config), "b": ArmStats.fresh(config)}
     lift, per_step = pooled_priors(arms, stats, config)
@@ -333,7 +334,7 @@ def test_untried_arms_borrow_the_tried_arms_outcomes_and_costs():
 def test_exploration_spends_at_most_its_budget():
     """An update worth it only under the optimistic bound runs while its cost fits the exploration budget; one
     whose plain estimate pays runs whatever the budget."""
-    config = BanditConfig(prior_lift=0.1, horizon_requests=10, swap_seconds=0.0)
+    config = BanditConfig(prior_lift=0.1, prior_recovery=0.5, horizon_requests=10, swap_seconds=0.0)
     arms = (Arm("a", "full", 4, 1e-3),)
     stats = {"a": ArmStats.fresh(config)}
     stats["a"].measured(3.0)
