@@ -198,7 +198,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=40)
     p.add_argument("--budget", type=int, default=8)
-    p.add_argument("--horizon", type=float, default=256.0, help="bandit horizon in requests")
+    p.add_argument("--horizon", type=float, default=128.0, help="bandit horizon in requests")
     p.add_argument("--window", type=int, default=96, help="live window in steps")
     p.add_argument("--greedy-drop", type=float, default=0.1, help="greedy rule: update when τ drops this much")
     p.add_argument("--every", default="16,64", help="the two fixed schedules, in requests")

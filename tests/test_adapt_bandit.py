@@ -343,9 +343,12 @@ def test_exploration_spends_at_most_its_budget():
     choice, (estimate,) = plan(rates, FRESH, arms, stats, config, explore_left=59.0)
     assert estimate.mean_gain == pytest.approx(40.0) and estimate.exploring and choice == SKIP
     assert plan(rates, FRESH, arms, stats, config, explore_left=61.0)[0] == "a"
-    stats["a"].measured(0.6)  # cost (3 + 0.6) / 2 = 1.8 s: 36 tokens, below the plain gain: exploitation
+    stats["a"].measured(0.6)  # cost (3 + 0.6) / 2 = 1.8 s: 36 tokens, below the plain gain of the prior ...
     choice, (estimate,) = plan(rates, FRESH, arms, stats, config, explore_left=0.0)
-    assert not estimate.exploring and choice == "a"
+    assert estimate.exploring and choice == SKIP  # ... which no outcome has backed yet: still a bet on the prior
+    stats["a"].lift.add(FRESH.x, 0.1)  # a shadow outcome that confirms it: exploitation, whatever the budget
+    choice, (estimate,) = plan(rates, FRESH, arms, stats, config, explore_left=0.0)
+    assert estimate.mean_gain == pytest.approx(40.0) and not estimate.exploring and choice == "a"
 
 
 def test_rollback_and_collapse_rules():
@@ -458,7 +461,8 @@ def test_alarm_on_a_zeroed_drafter_and_on_collapsed_tau(tmp_path):
 
 def test_failed_update_leaves_the_served_version(tmp_path):
     _write_log(tmp_path / "logs", "seg-000001-1000", 1, accepted=[3])
-    daemon = _daemon(tmp_path, horizon_requests=1e6)
+    # A first update rests on the prior: exploration, given a budget here.
+    daemon = _daemon(tmp_path, horizon_requests=1e6, explore_share=1e3)
     daemon.state["ref"]["1"] = 4.5  # τ fell from 4.5 to 4: worth an update
     daemon.arms = (Arm("full-1", "full", 1, 1e39),)  # overflows the weights to inf
     assert daemon.run(once=True) == 0
@@ -506,7 +510,7 @@ def test_daemon_updates_eagle3_and_specblock_drafters(tmp_path, name):
     _write_log(tmp_path / "logs", "seg-000001-1000", 1, accepted=[3])
     arms = (Arm("approx-1", "approx", 1, 1e-3), Arm("lora-1", "lora", 1, 1e-2), Arm("full-1", "full", 1, 1e-3))
     daemon = BanditDaemon(tmp_path / "logs", CHECKPOINTS / name, tmp_path / "pub", tmp_path / "state", TINY_TARGET,
-                          BanditConfig(window_steps=8, horizon_requests=1e6), arms=arms)  # fmt: skip
+                          BanditConfig(window_steps=8, horizon_requests=1e6, explore_share=1e3), arms=arms)  # fmt: skip
     assert [a.name for a in daemon.arms] == ["lora-1", "full-1"]
     daemon.read()
     served = {n: p.clone() for n, p in daemon.drafter.state_dict().items()}

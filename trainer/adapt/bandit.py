@@ -32,9 +32,11 @@ one that disappoints, or stops paying as the drafter saturates, is tried less.
 
 An arm not yet tried starts from what the tried ones showed (their pooled observations and measured seconds per
 step), so one arm's disappointment makes the next arm an exploration, not a sure bet. Exploration is bounded: an
-update whose expected net gain is positive only under the optimistic bound (not under the plain estimate) is
-exploration, and exploration may spend at most ``explore_share`` of the tokens served so far (its cost in served
-tokens forgone); beyond that the bandit skips until its estimates, or the served total, say otherwise.
+update whose expected net gain is positive only under the optimistic bound (not under the plain estimate), or that
+rests on the prior alone (no shadow outcome yet, of its own or borrowed), is exploration, and exploration may spend
+at most ``explore_share`` of the tokens served so far (its cost in served tokens forgone); beyond that the bandit
+skips until its estimates, or the served total, say otherwise. Where no update pays, the bandit thus loses at most
+about ``explore_share`` to never updating.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ DEFAULT_ARMS = (
 class BanditConfig:
     """Decision parameters; see the module docstring."""
 
-    horizon_requests: float = 256.0
+    horizon_requests: float = 128.0
     window_steps: int = 64
     rollback_margin: float = 0.05
     # Differences of live τ within this many standard errors of the windows are noise (drift, rollback).
@@ -309,6 +311,8 @@ class ArmEstimate:
     gain: float
     mean_gain: float
     cost: float
+    # Shadow outcomes the prediction rests on (the arm's own, or the pooled ones it borrows).
+    observed: int = 0
 
     @property
     def net(self) -> float:
@@ -316,8 +320,9 @@ class ArmEstimate:
 
     @property
     def exploring(self) -> bool:
-        """Worth it only under the optimistic bound."""
-        return self.mean_gain - self.cost <= 0
+        """Worth it only under the optimistic bound, or resting on the prior alone: an update no outcome has
+        backed yet is a bet on the prior, and the exploration budget bounds what such bets may lose."""
+        return self.observed == 0 or self.mean_gain - self.cost <= 0
 
 
 def pooled_priors(arms: tuple[Arm, ...], stats: dict[str, ArmStats], config: BanditConfig) -> tuple[Lift, float]:
@@ -355,7 +360,7 @@ def plan(
         seconds = s.seconds if s.seconds is not None else arm.steps * seconds_per_step
         cost = cost_tokens(rates, seconds + config.swap_seconds)
         gain = gain_tokens(rates, rates.tau + tau_gain, config)
-        estimates.append(ArmEstimate(arm.name, tau_gain, gain, mean_gain, cost))
+        estimates.append(ArmEstimate(arm.name, tau_gain, gain, mean_gain, cost, lift.n))
     best = max(estimates, key=lambda e: e.net, default=None)
     if best is None or best.net <= 0 or (best.exploring and best.cost > explore_left):
         return SKIP, estimates
