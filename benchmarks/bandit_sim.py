@@ -1,6 +1,6 @@
 """Simulation: when should a served drafter be updated? Never, every N requests, when τ drops, or the bandit.
 
-    OMP_NUM_THREADS=1 python benchmarks/bandit_sim.py --out runs/bandit_sim   # CPU, about an hour
+    OMP_NUM_THREADS=1 python benchmarks/bandit_sim.py --out runs/bandit_sim   # CPU, about 30 minutes
 
 The tiny target (checkpoints/target_tiny) serves the shipped TreeFlash drafter (checkpoints/treeflash_tiny),
 both trained on the standard library. The prompt stream starts with held-out standard-library modules
