@@ -534,10 +534,10 @@ def test_context_novelty_drift_and_cached_features(tmp_path):
     daemon = _daemon(tmp_path)
     daemon.read()
     daemon.state["ref"]["1"] = 5.0
-    context = daemon.context(daemon.rates())
+    context = daemon.context(daemon._live(1))
     assert context.novelty == pytest.approx(4 / 64) and context.drift == pytest.approx((5.0 - 4.0) / 4.0)
     daemon.state["trained_at"]["1"] = 4  # trained on everything seen so far
-    assert daemon.context(daemon.rates()).novelty == 0.0
+    assert daemon.context(daemon._live(1)).novelty == 0.0
     replay = Replay.from_json(daemon.state["replay"])
     batch = daemon._batch(replay)
     online = with_features({k: batch[k] for k in ("input_ids", "loss_mask", "position_ids", "doc_ids")},
@@ -546,8 +546,16 @@ def test_context_novelty_drift_and_cached_features(tmp_path):
     torch.testing.assert_close(batch["features"][inside], online["features"][inside], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(batch["teacher_topk_logprobs"][inside], online["teacher_topk_logprobs"][inside],
                                rtol=1e-4, atol=1e-4)  # fmt: skip
-    cached = len(daemon._feature_cache)
-    assert 1 <= cached <= len(replay.train)
+    # One entry per distinct replayed request: drawing more batches adds none beyond the buffer's requests.
+    train = {tuple(r["prompt"] + r["output"]) for r in replay.train}
+    for _ in range(20):
+        daemon._batch(replay)
+    assert set(daemon._feature_cache) == train
+    # Once every request is cached (a first shadow evaluation caches the held-back ones), batches and shadow
+    # evaluations need no target forward at all.
+    first = daemon.shadow(daemon.drafter)
+    forwards = []
+    daemon.target.register_forward_hook(lambda *_: forwards.append(1))
     daemon._batch(replay)
-    assert len(daemon._feature_cache) <= len(replay.train)  # drawn again: no new rows for the same requests
+    assert daemon.shadow(daemon.drafter) == pytest.approx(first) and forwards == []
     daemon.close()

@@ -304,12 +304,12 @@ class BanditDaemon:
         rate = self.state["requests"] / max(self.state["serving_seconds"], 1e-9)
         return Rates(live.tau, live.step_seconds, rate)
 
-    def context(self, rates: Rates) -> Context:
-        """The served version's novelty and drift (trainer/adapt/bandit.py)."""
+    def context(self, live: LiveTau) -> Context:
+        """The served version's novelty and drift (trainer/adapt/bandit.py), ``live`` its live τ."""
         version = str(self.state["version"])
         seen = self.state["replay"]["seen"] - self.state["trained_at"].get(version, 0)
         novelty = min(1.0, max(0, seen) / self.config.buffer_requests)
-        return Context(novelty, drift(self.state["ref"][version], self._live(self.state["version"]), self.config))
+        return Context(novelty, drift(self.state["ref"][version], live, self.config))
 
     def decide(self) -> None:
         """One decision if the served version has a full live window (see the module docstring)."""
@@ -372,7 +372,7 @@ class BanditDaemon:
         stats = {name: ArmStats.from_json(obj) for name, obj in self.state["arms"].items()}
         explore_left = self.config.explore_share * self.state["served_tokens"] - self.state["explore_tokens"]
         replay = Replay.from_json(self.state["replay"])
-        context = self.context(rates)
+        context = self.context(live)
         arm_name, estimates = plan(rates, context, self.arms, stats, self.config, explore_left)
         if not any(r["steps"] for r in replay.holdout) or not replay.train:
             # A candidate could be neither trained nor judged: spending the update would buy nothing.
@@ -442,21 +442,12 @@ class BanditDaemon:
         picks = [self.rng.choice(replay.train) for _ in range(self.batch_requests)]
         seqs = [(r["prompt"] + r["output"])[: self.max_length] for r in picks]
         starts = [min(len(r["prompt"]), len(s) - 1) for r, s in zip(picks, seqs, strict=True)]
-        batch = context_batch(seqs, starts, pad_id=0)
-        rows = [self._features(seq) for seq in seqs]
-        width = batch["input_ids"].shape[1]
-        for key in FEATURE_KEYS:
-            # Right-padded like the ids; padded positions are outside every sample (doc id 0), so never read.
-            out = rows[0][key].new_zeros((len(rows), width, *rows[0][key].shape[1:]))
-            for i, row in enumerate(rows):
-                out[i, : len(row[key])] = row[key]
-            batch[key] = out
-        return batch
+        return context_batch(seqs, starts, pad_id=0, features=[self._features(seq) for seq in seqs])
 
     def _features(self, seq: list[int]) -> dict[str, torch.Tensor]:
-        """The target's features of one replayed sequence, computed once: every update step that draws it again
-        (and every later update while it stays in the buffer) reuses them. Bounded: the least recently computed
-        go first beyond twice the buffer."""
+        """The target's features of one replayed sequence, computed once: every update step that draws it again,
+        both shadow evaluations of an update, and every later update while it stays in the buffer reuse them.
+        Bounded: the least recently computed go first beyond twice the buffer."""
         key = tuple(seq)
         row = self._feature_cache.get(key)
         if row is None:
@@ -512,7 +503,8 @@ class BanditDaemon:
                 continue
             seq = request["prompt"] + request["output"]
             # Shape: (C, D, V) the drafter's distributions of depths 1..D at each logged root
-            logits = chain_logits(drafter, self.target, seq, [s["pos"] for s in steps], self.options)
+            roots = [s["pos"] for s in steps]
+            logits = chain_logits(drafter, self.target, seq, roots, self.options, self._features(seq))
             k = len(steps[0]["topk_ids"][0])
             ids = torch.zeros(len(steps), depth, k, dtype=torch.long)
             logprobs = torch.full((len(steps), depth, k), -math.inf)

@@ -87,6 +87,20 @@ def collate(rows: Sequence[dict], pad_id: int) -> dict[str, torch.Tensor]:
     }
 
 
+def collate_features(rows: list[dict], pad_id: int) -> dict:
+    """``collate`` plus right-padded ``features`` / teacher top-k when the rows carry them (offline)."""
+    batch = collate(rows, pad_id)
+    if "features" in rows[0]:
+        width = batch["input_ids"].shape[1]
+        for key in ("features", "teacher_topk_ids", "teacher_topk_logprobs"):
+            first = rows[0][key]
+            out = torch.zeros((len(rows), width, first.shape[-1]), dtype=first.dtype)
+            for i, r in enumerate(rows):
+                out[i, : r[key].shape[0]] = r[key]
+            batch[key] = out.long() if key == "teacher_topk_ids" else out
+    return batch
+
+
 def packed_attention_mask(doc_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Shape: doc_ids (B, T) → additive mask (B, 1, T, T). Causal within a sample; padding sees itself only."""
     t = doc_ids.shape[1]

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from trainer.data.cache import FeatureCache
-from trainer.data.pack import PackedRow, collate
+from trainer.data.pack import PackedRow, collate_features
 from trainer.data.prepare import DataSpec, load_tokenizer, prepare
 from trainer.errors import UserError
 
@@ -169,17 +169,3 @@ class DraftData(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("validation")
-
-
-def collate_features(rows: list[dict], pad_id: int) -> dict:
-    """``collate`` plus right-padded ``features`` / teacher top-k when the rows carry them (offline)."""
-    batch = collate(rows, pad_id)
-    if "features" in rows[0]:
-        width = batch["input_ids"].shape[1]
-        for key in ("features", "teacher_topk_ids", "teacher_topk_logprobs"):
-            first = rows[0][key]
-            out = torch.zeros((len(rows), width, first.shape[-1]), dtype=first.dtype)
-            for i, r in enumerate(rows):
-                out[i, : r[key].shape[0]] = r[key]
-            batch[key] = out.long() if key == "teacher_topk_ids" else out
-    return batch

@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from trainer.data.features import with_features
-from trainer.data.pack import collate
+from trainer.data.pack import collate_features
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.specblock import SpecBlockDraftModel
@@ -91,19 +91,27 @@ def target_layer_ids(drafter: Drafter) -> list[int]:
     return list(_backbone(drafter).target_layer_ids)
 
 
-def context_batch(sequences: list[list[int]], loss_starts: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+def context_batch(
+    sequences: list[list[int]],
+    loss_starts: list[int],
+    pad_id: int,
+    features: list[dict[str, torch.Tensor]] | None = None,
+) -> dict[str, torch.Tensor]:
     """Logged contexts (prompt + output ids) as a training batch, one sample per row: the loss covers positions
-    from ``loss_starts[i]`` on (the output), as the chat template's loss mask covers a reply."""
+    from ``loss_starts[i]`` on (the output), as the chat template's loss mask covers a reply. ``features``, when
+    given, are each sequence's target features computed before (``trainer.data.features.FEATURE_KEYS``, Shape:
+    (len(sequence), ...) each), padded in as an offline batch's are, so no step computes them again."""
     rows = [
         {
             "input_ids": ids,
             "loss_mask": [0] * start + [1] * (len(ids) - start),
             "position_ids": list(range(len(ids))),
             "doc_ids": [1] * len(ids),
+            **(features[i] if features is not None else {}),
         }
-        for ids, start in zip(sequences, loss_starts, strict=True)
+        for i, (ids, start) in enumerate(zip(sequences, loss_starts, strict=True))
     ]
-    return collate(rows, pad_id)
+    return collate_features(rows, pad_id)
 
 
 def step_loss(
@@ -150,18 +158,26 @@ def chain_depth(drafter: Drafter, options: StepOptions | None = None) -> int:
 
 @torch.no_grad()
 def chain_logits(
-    drafter: Drafter, target: Target, sequence: list[int], roots: list[int], options: StepOptions | None = None
+    drafter: Drafter,
+    target: Target,
+    sequence: list[int],
+    roots: list[int],
+    options: StepOptions | None = None,
+    features: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The drafter's logits over the target's vocabulary for depths ``1..chain_depth`` of the chain it drafts from
     each root position ``p`` (depth ``d`` drafts ``sequence[p + d]``), teacher-forced on ``sequence``: what the
     drafter proposes along the path the verifier accepted. Tokens outside a draft vocabulary get ``-inf``.
-    TreeFlash's are the corrected distributions. No gradient, nothing stepped. Shape: (N roots, D, V)
+    TreeFlash's are the corrected distributions. No gradient, nothing stepped. ``features``: the target's
+    features of ``sequence`` computed before (as ``context_batch`` takes them), else the target computes them.
+    Shape: (N roots, D, V)
     """
     options = options or default_options(drafter)
     _check(drafter, options)
     if min(roots, default=1) < 1:
         raise ValueError(f"a root at position {min(roots)}: a chain starts after at least one context token")
-    batch = with_features(context_batch([sequence], [0], pad_id=0), target, options.topk)
+    given = None if features is None else [features]
+    batch = with_features(context_batch([sequence], [0], pad_id=0, features=given), target, options.topk)
     depth = chain_depth(drafter, options)
     at = torch.tensor(roots, device=batch["input_ids"].device)
     if isinstance(drafter, Eagle3DraftModel):
