@@ -66,9 +66,7 @@ def test_valid_records_pass_unchanged():
     assert validate(branching, V) is branching
 
 
-@pytest.mark.parametrize(
-    ("record", "expected"),
-    [
+FAULTS = [
         ([1, 2], "a record is a JSON object"),
         (step(v=2), "unknown version v=2"),
         (step(v=True), "unknown version v=True"),
@@ -100,10 +98,53 @@ def test_valid_records_pass_unchanged():
         (step(ms={"draft": 1.0, "tree": math.nan, "verify": 1.0}), "ms.tree = nan"),
         (request(prefill_topk_ids=[list(range(8))] * 2), "field 'prefill_topk_ids' has 2 rows, expected 3"),
         (request(output_ids=[4, V]), "field 'output_ids' holds token id 100 outside the vocabulary"),
-    ],
-)
+]
+
+
+@pytest.mark.parametrize(("record", "expected"), FAULTS)
 def test_validator_names_the_fault(record, expected):
     assert expected in reason(record)
+
+
+def arrayed(record: dict) -> dict | None:
+    """``record`` with each tree list that a numpy array encodes to the same JSON as an array (what the recorder
+    hands the writer); None when no list converts."""
+    import numpy as np
+    import orjson
+
+    out, converted = dict(record), False
+    for name in ("tokens", "parents", "topk_ids", "topk_logprobs"):
+        try:
+            array = np.array(record[name])
+            same = orjson.dumps(array, option=orjson.OPT_SERIALIZE_NUMPY) == orjson.dumps(record[name])
+        except (KeyError, ValueError, TypeError, orjson.JSONEncodeError):
+            continue
+        if same:
+            out[name], converted = array, True
+    return out if converted else None
+
+
+STEPS = [step(), step(n=0, accepted=[]), step(n=4, parents=[-1, 0, -1, 2], accepted=[2, 3])] + [
+    r for r, _ in FAULTS if isinstance(r, dict) and r.get("kind") == "step"
+]
+
+
+@pytest.mark.parametrize("record", [r for r in STEPS if arrayed(r) is not None])
+def test_arrays_get_the_verdict_and_reason_of_the_equal_lists(record):
+    as_arrays = arrayed(record)
+    try:
+        validate(record, V)
+    except RecordError as e:
+        assert reason(as_arrays) == e.reason
+    else:
+        assert validate(as_arrays, V) is as_arrays
+
+
+def test_an_array_of_bools_is_not_token_ids():
+    import numpy as np
+
+    # JSON true is not a token id; numpy's bool is not either, though it encodes as one.
+    assert "found bool" in reason(step(tokens=np.array([True, False, True])))
 
 
 def test_vocabulary_is_checked_only_when_known():

@@ -36,7 +36,8 @@ def top_rows(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         top = values.topk(k, dim=-1)
         return top.indices, top.values
     per_row = vocab // CHUNK
-    best = values.view(rows, per_row, CHUNK).amax(-1).topk(k, dim=-1).indices  # Shape: (R, k) chunk indices
+    # Shape: (R, k) chunk indices, in no order (the second stage sorts; unsorted measured ~10% faster).
+    best = values.view(rows, per_row, CHUNK).amax(-1).topk(k, dim=-1, sorted=False).indices
     # Whole chunks are contiguous rows of this view: index_select copies them (cheaper than an element gather).
     chunk_rows = (best + torch.arange(rows, device=best.device)[:, None] * per_row).view(-1)
     candidates = values.reshape(-1, CHUNK).index_select(0, chunk_rows).view(rows, k * CHUNK)

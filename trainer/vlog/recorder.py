@@ -84,7 +84,8 @@ class StepRecorder:
             self.writer.write(lambda: self._record(event, *top))
 
     def _record(self, event: StepEvent, ids: torch.Tensor, logprobs: torch.Tensor) -> dict:
-        # Engine node i + 1 is draft node i: the root (engine 0) becomes parent -1.
+        # Engine node i + 1 is draft node i: the root (engine 0) becomes parent -1. The tree lists stay numpy
+        # arrays: the writer validates and encodes them as they are, without a Python object per number.
         return step_record(
             **self.identity,
             step=event.step,
@@ -94,13 +95,12 @@ class StepRecorder:
             budget=event.budget,
             pos=event.pos,
             root=event.root,
-            tokens=event.tree.tokens[1:].tolist(),
-            parents=[parent - 1 for parent in event.tree.parents[1:].tolist()],
+            tokens=event.tree.tokens[1:].cpu().numpy(),
+            parents=event.tree.parents[1:].cpu().numpy() - 1,
             accepted=[node - 1 for node in event.path[1:]],
             bonus=event.bonus,
-            topk_ids=ids.tolist(),
-            # numpy: one call per conversion costs less than a torch dispatch each on these small tensors.
-            topk_logprobs=np.round(logprobs.cpu().numpy().astype(np.float64), LOGPROB_DECIMALS).tolist(),
+            topk_ids=ids.cpu().numpy(),
+            topk_logprobs=np.round(logprobs.cpu().numpy().astype(np.float64), LOGPROB_DECIMALS),
             ms=event.ms,
         )
 

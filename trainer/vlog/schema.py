@@ -2,7 +2,11 @@
 
 The format is described in docs/verifier_log.md. A record is a JSON object; ``validate`` returns it unchanged
 when it is a well-formed v1 record and raises ``RecordError`` naming the first field that is not. Checks run
-over whole lists at C speed (``map``/``set``/``min``/``max``) so a reader validates large trees cheaply::
+over whole lists at C speed (``map``/``set``/``min``/``max``) so a reader validates large trees cheaply. A record
+built in process (``trainer.vlog.recorder``) may hold its four tree lists (``tokens``, ``parents``, ``topk_ids``,
+``topk_logprobs``) as numpy arrays, which the writer encodes as the same JSON lists; ``validate`` checks an array
+with numpy and gives it the verdict it gives the equal list, naming the same field (``tests/test_vlog.py``
+compares them)::
 
     python -c "from trainer.vlog.schema import request_record, validate; \\
         print(validate(request_record(server='s', request='r', tenant=None, shareable=True, \\
@@ -16,6 +20,7 @@ import math
 from itertools import chain
 from operator import lt
 
+import numpy as np
 import orjson
 
 VERSION = 1
@@ -86,6 +91,24 @@ def _token_list(name: str, values: list, vocab_size: int | None) -> None:
         raise RecordError(f"{name} holds token id {_show(high)} outside the vocabulary of {vocab_size}")
 
 
+def _token_array(name: str, values: np.ndarray, vocab_size: int | None) -> None:
+    """``_token_list`` for a numpy array of any shape (an empty one, whatever its dtype, is the empty list)."""
+    if not values.size:
+        return
+    if values.dtype.kind not in "iu":
+        kind = "bool" if values.dtype.kind == "b" else "float" if values.dtype.kind == "f" else str(values.dtype)
+        raise RecordError(f"{name} must hold token ids (int), found {kind} values")
+    low, high = int(values.min()), int(values.max())
+    if low < 0:
+        raise RecordError(f"{name} holds a negative token id {_show(low)}")
+    if vocab_size is not None and high >= vocab_size:
+        raise RecordError(f"{name} holds token id {_show(high)} outside the vocabulary of {vocab_size}")
+
+
+def _tokens(name: str, values: list | np.ndarray, vocab_size: int | None) -> None:
+    (_token_array if type(values) is np.ndarray else _token_list)(name, values, vocab_size)
+
+
 def _token(record: dict, name: str, vocab_size: int | None) -> int:
     value = _require(record, name, (int,))
     if value < 0:
@@ -96,16 +119,21 @@ def _token(record: dict, name: str, vocab_size: int | None) -> int:
 
 
 def _rows(name: str, rows: object, n_rows: int) -> int:
-    """A list of ``n_rows`` lists of one common width k >= MIN_TOPK; returns k."""
-    if type(rows) is not list:
+    """A list (or 2-d array) of ``n_rows`` lists of one common width k >= MIN_TOPK; returns k."""
+    if type(rows) not in (list, np.ndarray):
         raise RecordError(f"field {name!r} must be a list of rows, got {type(rows).__name__}")
     if len(rows) != n_rows:
         raise RecordError(f"field {name!r} has {len(rows)} rows, expected {n_rows}")
-    if not rows:
+    if not len(rows):
         return 0
-    if set(map(type, rows)) != {list}:
+    if type(rows) is np.ndarray:
+        if rows.ndim != 2:
+            raise RecordError(f"field {name!r} must be a list of lists")
+        widths = {rows.shape[1]}
+    elif set(map(type, rows)) != {list}:
         raise RecordError(f"field {name!r} must be a list of lists")
-    widths = set(map(len, rows))
+    else:
+        widths = set(map(len, rows))
     if len(widths) != 1:
         raise RecordError(f"field {name!r} has rows of unequal widths {sorted(widths)}")
     k = widths.pop()
@@ -155,22 +183,21 @@ def check_step_head(head: dict, vocab_size: int | None) -> int:
 def _step(record: dict, vocab_size: int | None) -> None:
     budget = _step_scalars(record, vocab_size)
 
-    tokens = _require(record, "tokens", (list,))
+    tokens = _require(record, "tokens", (list, np.ndarray))
     n = len(tokens)
+    if type(tokens) is np.ndarray and tokens.ndim != 1:
+        raise RecordError(f"field 'tokens' must be a list of token ids, got an array of shape {tokens.shape}")
     if n > budget:
         raise RecordError(f"the tree has {n} draft nodes, more than its budget {budget}")
-    _token_list("field 'tokens'", tokens, vocab_size)
+    _tokens("field 'tokens'", tokens, vocab_size)
 
-    parents = _require(record, "parents", (list,))
+    parents = _require(record, "parents", (list, np.ndarray))
+    if type(parents) is np.ndarray and parents.ndim != 1:
+        raise RecordError(f"field 'parents' must be a list of ints, got an array of shape {parents.shape}")
     if len(parents) != n:
         raise RecordError(f"field 'parents' has {len(parents)} entries for {n} tokens")
     if n:
-        if set(map(type, parents)) != {int}:
-            raise RecordError("field 'parents' must hold ints")
-        # Topological order: -1 (the root) or an earlier node.
-        if min(parents) < -1 or not all(map(lt, parents, range(n))):
-            bad = next(i for i, p in enumerate(parents) if not -1 <= p < i)
-            raise RecordError(f"parents[{bad}] = {_show(parents[bad])}: a parent is -1 (root) or an earlier node")
+        _parents(parents)
 
     accepted = _require(record, "accepted", (list,))
     if accepted and set(map(type, accepted)) != {int}:
@@ -183,25 +210,57 @@ def _step(record: dict, vocab_size: int | None) -> None:
             raise RecordError(f"accepted[{j}] = {node} is not a child of {parent}: 'accepted' must be a root path")
         parent = node
 
-    ids = _require(record, "topk_ids", (list,))
+    ids = _require(record, "topk_ids", (list, np.ndarray))
     k = _rows("topk_ids", ids, n + 1)
-    _token_list("field 'topk_ids'", list(chain.from_iterable(ids)), vocab_size)
-    logprobs = _require(record, "topk_logprobs", (list,))
+    _tokens("field 'topk_ids'", ids if type(ids) is np.ndarray else list(chain.from_iterable(ids)), vocab_size)
+    logprobs = _require(record, "topk_logprobs", (list, np.ndarray))
     if _rows("topk_logprobs", logprobs, n + 1) != k:
         raise RecordError("fields 'topk_logprobs' and 'topk_ids' have rows of different widths")
-    flat = list(chain.from_iterable(logprobs))
-    if not set(map(type, flat)) <= {float, int}:
-        raise RecordError("field 'topk_logprobs' must hold numbers")
-    try:
-        finite = all(map(math.isfinite, flat))
-    except OverflowError:
-        finite = False
-    if not finite:
-        row, col = divmod(next(i for i, v in enumerate(flat) if not _finite(v)), k)
-        raise RecordError(f"topk_logprobs[{row}][{col}] is {_show(flat[row * k + col])}, not a finite log-prob")
-    if max(flat) > LOGPROB_SLACK:
-        raise RecordError(f"field 'topk_logprobs' holds {max(flat)} > 0: log-probs, not logits, are logged")
+    _logprobs(logprobs, k)
     _ms(record)
+
+
+def _parents(parents: list | np.ndarray) -> None:
+    """Topological order: every parent is -1 (the root) or an earlier node."""
+    n = len(parents)
+    if type(parents) is np.ndarray:
+        if parents.dtype.kind not in "iu":
+            raise RecordError("field 'parents' must hold ints")
+        bad_at = np.flatnonzero((parents < -1) | (parents >= np.arange(n)))
+        bad = int(bad_at[0]) if bad_at.size else None
+    else:
+        if set(map(type, parents)) != {int}:
+            raise RecordError("field 'parents' must hold ints")
+        ordered = min(parents) >= -1 and all(map(lt, parents, range(n)))
+        bad = None if ordered else next(i for i, p in enumerate(parents) if not -1 <= p < i)
+    if bad is not None:
+        raise RecordError(f"parents[{bad}] = {_show(parents[bad])}: a parent is -1 (root) or an earlier node")
+
+
+def _logprobs(logprobs: list | np.ndarray, k: int) -> None:
+    """Finite numbers <= 0 (within ``LOGPROB_SLACK``), row-major over rows of width ``k``."""
+    if type(logprobs) is np.ndarray:
+        if logprobs.dtype.kind not in "fiu":
+            raise RecordError("field 'topk_logprobs' must hold numbers")
+        flat = logprobs.reshape(-1)
+        bad_at = np.flatnonzero(~np.isfinite(flat))
+        bad = int(bad_at[0]) if bad_at.size else None
+        high = float(flat.max()) if flat.size else None
+    else:
+        flat = list(chain.from_iterable(logprobs))
+        if not set(map(type, flat)) <= {float, int}:
+            raise RecordError("field 'topk_logprobs' must hold numbers")
+        try:
+            finite = all(map(math.isfinite, flat))
+        except OverflowError:
+            finite = False
+        bad = None if finite else next(i for i, v in enumerate(flat) if not _finite(v))
+        high = max(flat) if flat and finite else None
+    if bad is not None:
+        row, col = divmod(bad, k)
+        raise RecordError(f"topk_logprobs[{row}][{col}] is {_show(flat[bad])}, not a finite log-prob")
+    if high is not None and high > LOGPROB_SLACK:
+        raise RecordError(f"field 'topk_logprobs' holds {high} > 0: log-probs, not logits, are logged")
 
 
 def _request(record: dict, vocab_size: int | None) -> None:
@@ -275,15 +334,16 @@ def step_record(
     budget: int,
     pos: int,
     root: int,
-    tokens: list[int],
-    parents: list[int],
+    tokens: list[int] | np.ndarray,
+    parents: list[int] | np.ndarray,
     accepted: list[int],
     bonus: int,
-    topk_ids: list[list[int]],
-    topk_logprobs: list[list[float]],
+    topk_ids: list[list[int]] | np.ndarray,
+    topk_logprobs: list[list[float]] | np.ndarray,
     ms: dict[str, float],
 ) -> dict:
-    """A step record with the v1 field names; ``validate`` it (the writer does) before trusting it."""
+    """A step record with the v1 field names; ``validate`` it (the writer does) before trusting it. The tree
+    lists may be numpy arrays (1-d, and (N + 1, k) for the top-k), which the writer encodes as JSON lists."""
     return {
         "v": VERSION,
         "kind": "step",

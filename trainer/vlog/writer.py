@@ -180,7 +180,7 @@ class LogWriter:
         record = item() if callable(item) else item
         validate(record, self.vocab_size)
         try:
-            line = orjson.dumps(record) + b"\n"
+            line = orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
         except orjson.JSONEncodeError as e:
             raise RecordError(f"record cannot be encoded as JSON: {e}") from None
         if len(line) > MAX_LINE_BYTES:
