@@ -186,6 +186,8 @@ def request_evidence(records: list[dict], servers: list[int], candidates: int, p
 
 def concat(parts: list[Evidence]) -> Evidence:
     """One ``Evidence`` of all ``parts``, candidates padded to the widest."""
+    if len(parts) == 1:
+        return parts[0]
     k = max(p.cands.shape[1] for p in parts)
     return Evidence(
         torch.cat([p.rows for p in parts]),
@@ -202,9 +204,13 @@ def cap_per_replica(evidence: Evidence, vocab_size: int, cap: int) -> torch.Tens
     key = evidence.server * vocab_size + evidence.rows
     groups, inverse = torch.unique(key, return_inverse=True)
     total = torch.zeros(groups.numel(), dtype=torch.int64).index_add_(0, inverse, evidence.weights.sum(1))
-    over = (total > cap)[inverse]
-    scaled = evidence.weights * cap // total[inverse].clamp(min=1)[:, None]
-    return torch.where(over[:, None], scaled, evidence.weights)
+    over = (total > cap)[inverse].nonzero().squeeze(1)
+    if not over.numel():
+        return evidence.weights
+    # Only the nodes of capped groups change (usually a few): scale those rows alone.
+    weights = evidence.weights.clone()
+    weights[over] = weights[over] * cap // total[inverse[over]][:, None]
+    return weights
 
 
 @dataclass

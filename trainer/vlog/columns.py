@@ -4,9 +4,10 @@
 every valid step record, every valid request record (a dict), and a ``RecordError`` with the reason for every
 other line; the valid step records come as one ``StepColumns``. A step line is parsed with simdjson, its five
 lists are copied straight into numpy buffers (``Array.as_buffer``) and the list checks of ``validate`` run
-vectorised over the whole batch; the other fields go through the validator's own checks
-(``schema.check_step_head``). A line this path cannot prove valid (a failed check, a duplicate key, a ``[``
-inside a string or an extra list field, a request record, any parse error) is decoded by ``schema.decode``, so
+vectorised over the whole batch; the other fields are checked against ``schema.FIELD_TYPES`` by one set lookup
+of their types and a few comparisons (``_head_valid``). A line this path cannot prove valid (a failed check, a
+duplicate key, a ``[`` inside a string or an extra list field, a request record, any parse error) is decoded by
+``schema.decode``, so
 the reference validator decides every rejection and its reason, and a line is accepted here only when it
 passes every check of ``validate`` with the same values (``tests/test_vlog_columns.py`` compares the two on
 mutated records). On CPU::
@@ -21,20 +22,25 @@ mutated records). On CPU::
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, product
 from typing import NamedTuple
 
 import numpy as np
 import simdjson
 
-from trainer.vlog.schema import LOGPROB_SLACK, MIN_TOPK, RecordError, check_step_head, decode
+from trainer.vlog.schema import FIELD_TYPES, LOGPROB_SLACK, MIN_TOPK, PHASES, VERSION, RecordError, decode
 
-# The step record's fields other than its five lists, as check_step_head reads them.
-_HEAD = ("v", "kind", "server", "request", "tenant", "shareable", "step", "drafter", "drafter_version", "tree",
-         "budget", "pos", "root", "bonus", "ms")  # fmt: skip
+# The step record's fields other than its five lists.
+_HEAD = tuple(FIELD_TYPES)
+# Every combination of their allowed types, so that one set lookup checks all fifteen.
+_SIGNATURES = frozenset(product(*FIELD_TYPES.values()))
+_V, _STEP, _BUDGET, _POS, _ROOT, _BONUS, _MS = map(_HEAD.index, ("v", "step", "budget", "pos", "root", "bonus", "ms"))
 # Fields of a v1 step record: the head and the five lists.
 _FIELDS = len(_HEAD) + 5
+# The largest finite float: an int duration above it is not finite for ``validate`` either.
+_FLOAT_MAX = sys.float_info.max
 
 
 @dataclass
@@ -291,18 +297,22 @@ def _fields(index: int, line: bytes, doc: object, vocab_size: int) -> _Line | No
     if type(doc) is not Object or doc.get("kind") != "step":
         return None
     # A missing field raises KeyError: the reference names it.
-    head = {name: doc[name] for name in _HEAD}
+    values = [doc[name] for name in _HEAD]
     # orjson keeps a duplicate key's last value, simdjson finds its first: let the reference read such a line.
     # A record of exactly the v1 fields, all present (the head above, the lists below), has none.
     if len(doc) != _FIELDS and len(set(doc.keys())) != len(doc):
         return None
-    ms = head.get("ms")
-    if type(ms) is Object:
-        head["ms"] = ms.as_dict()
-        if len(head["ms"]) != len(ms):
-            return None
+    ms = values[_MS]
+    if type(ms) is not Object:
+        return None
+    values[_MS] = ms.as_dict()
+    if len(values[_MS]) != len(ms):
+        return None
     del ms
-    budget = check_step_head(head, vocab_size)
+    if not _head_valid(values, vocab_size):
+        return None
+    head = dict(zip(_HEAD, values, strict=True))
+    budget = values[_BUDGET]
     tokens, parents, accepted = doc["tokens"], doc["parents"], doc["accepted"]
     ids, logprobs = doc["topk_ids"], doc["topk_logprobs"]
     if not type(tokens) is type(parents) is type(accepted) is type(ids) is type(logprobs) is Array:
@@ -333,6 +343,24 @@ def _fields(index: int, line: bytes, doc: object, vocab_size: int) -> _Line | No
         ids.as_buffer(of_type="u"),
         logprobs.as_buffer(of_type="d"),
     )
+
+
+def _head_valid(values: list, vocab_size: int) -> bool:
+    """The checks of ``validate`` on a step record's fields other than its five lists (``values`` in ``_HEAD``
+    order), as a few comparisons; False means the reference decides (and names the fault)."""
+    if tuple(map(type, values)) not in _SIGNATURES or values[_V] != VERSION:
+        return False
+    if values[_STEP] < 0 or values[_BUDGET] < 0 or values[_POS] < 0:
+        return False
+    if not (0 <= values[_ROOT] < vocab_size and 0 <= values[_BONUS] < vocab_size):
+        return False
+    ms = values[_MS]
+    for phase in PHASES:
+        duration = ms.get(phase)
+        # Not bool (JSON true), and finite >= 0: NaN fails both comparisons, inf and huge ints the second.
+        if type(duration) not in (float, int) or not 0 <= duration <= _FLOAT_MAX:
+            return False
+    return True
 
 
 def decode_batch(lines: list[bytes], vocab_size: int) -> Decoded:

@@ -19,6 +19,7 @@ import json
 import math
 from itertools import chain
 from operator import lt
+from types import NoneType
 
 import numpy as np
 import orjson
@@ -32,6 +33,25 @@ LOGPROB_SLACK = 1e-3
 # Longest line a reader accepts and a writer emits (bytes, newline excluded).
 MAX_LINE_BYTES = 8 << 20
 PHASES = ("draft", "tree", "verify")
+# The types each step record field other than its five lists may have: ``type``, not ``isinstance`` (JSON true is
+# not an int). Readers that take a line apart themselves check the same (``trainer/vlog/columns.py``).
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "v": (int,),
+    "kind": (str,),
+    "server": (str,),
+    "request": (str,),
+    "tenant": (str, NoneType),
+    "shareable": (bool,),
+    "step": (int,),
+    "drafter": (str, NoneType),
+    "drafter_version": (str, int, NoneType),
+    "tree": (str,),
+    "budget": (int,),
+    "pos": (int,),
+    "root": (int,),
+    "bonus": (int,),
+    "ms": (dict,),
+}
 
 
 class RecordError(ValueError):
@@ -71,7 +91,7 @@ def _require(record: dict, name: str, kinds: tuple[type, ...]) -> object:
 
 
 def _count(record: dict, name: str) -> int:
-    value = _require(record, name, (int,))
+    value = _require(record, name, FIELD_TYPES[name])
     if value < 0:
         raise RecordError(f"field {name!r} must be >= 0, got {_show(value)}")
     return value
@@ -110,7 +130,7 @@ def _tokens(name: str, values: list | np.ndarray, vocab_size: int | None) -> Non
 
 
 def _token(record: dict, name: str, vocab_size: int | None) -> int:
-    value = _require(record, name, (int,))
+    value = _require(record, name, FIELD_TYPES[name])
     if value < 0:
         raise RecordError(f"field {name!r} holds a negative token id {_show(value)}")
     if vocab_size is not None and value >= vocab_size:
@@ -143,18 +163,15 @@ def _rows(name: str, rows: object, n_rows: int) -> int:
 
 
 def _common(record: dict) -> None:
-    _require(record, "server", (str,))
-    _require(record, "request", (str,))
-    _require(record, "tenant", (str, type(None)))
-    _require(record, "shareable", (bool,))
+    for name in ("server", "request", "tenant", "shareable"):
+        _require(record, name, FIELD_TYPES[name])
 
 
 def _step_scalars(record: dict, vocab_size: int | None) -> int:
     """The step record's fields other than its lists and ``ms``; returns the budget."""
     _count(record, "step")
-    _require(record, "drafter", (str, type(None)))
-    _require(record, "drafter_version", (str, int, type(None)))
-    _require(record, "tree", (str,))
+    for name in ("drafter", "drafter_version", "tree"):
+        _require(record, name, FIELD_TYPES[name])
     budget = _count(record, "budget")
     _count(record, "pos")
     _token(record, "root", vocab_size)
@@ -163,21 +180,11 @@ def _step_scalars(record: dict, vocab_size: int | None) -> int:
 
 
 def _ms(record: dict) -> None:
-    ms = _require(record, "ms", (dict,))
+    ms = _require(record, "ms", FIELD_TYPES["ms"])
     for phase in PHASES:
         value = _require(ms, phase, (float, int))
         if not _finite(value) or value < 0:
             raise RecordError(f"ms.{phase} = {_show(value)} is not a finite duration >= 0")
-
-
-def check_step_head(head: dict, vocab_size: int | None) -> int:
-    """The checks of ``validate`` on a step record's fields other than its five lists, for readers that take
-    the lists apart themselves (``trainer/vlog/columns.py``); returns the budget."""
-    _version(head)
-    _common(head)
-    budget = _step_scalars(head, vocab_size)
-    _ms(head)
-    return budget
 
 
 def _step(record: dict, vocab_size: int | None) -> None:
