@@ -7,10 +7,9 @@ lists are copied straight into numpy buffers (``Array.as_buffer``) and the list 
 vectorised over the whole batch; the other fields are checked against ``schema.FIELD_TYPES`` by one set lookup
 of their types and a few comparisons (``_head_valid``). A line this path cannot prove valid (a failed check, a
 duplicate key, a ``[`` inside a string or an extra list field, a request record, any parse error) is decoded by
-``schema.decode``, so
-the reference validator decides every rejection and its reason, and a line is accepted here only when it
-passes every check of ``validate`` with the same values (``tests/test_vlog_columns.py`` compares the two on
-mutated records). On CPU::
+``schema.decode``, so the reference validator decides every rejection and its reason, and a line is accepted here
+only when it passes every check of ``validate`` with the same values (``tests/test_vlog_columns.py`` compares the
+two on mutated records). On CPU::
 
     python -c "import orjson; from trainer.vlog.columns import decode_batch; \\
         from trainer.vlog.schema import step_record; line = orjson.dumps(step_record(server='s', request='r', \\
