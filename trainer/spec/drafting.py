@@ -75,6 +75,8 @@ class ContextSession(DraftSession):
         # taken, so steps that do not draft (plain decoding chosen by a controller) cost a list append each.
         self._pending: list[torch.Tensor] = []
         self.entered = 0
+        # Looked up once: a session lives for one request, and finding a parameter costs a generator per step.
+        self.device = next(drafter.parameters()).device
 
     def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
         self.tokens = prompt.tolist()
@@ -92,10 +94,6 @@ class ContextSession(DraftSession):
         if len(self._pending) > 1:
             self._pending = [torch.cat(self._pending, dim=0)]
         return self._pending[0][None]
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.drafter.parameters()).device
 
     def take_pending(self) -> tuple[int, int, torch.Tensor | None]:
         """Consume the pending features: ``(first position, end position, features or None)``."""

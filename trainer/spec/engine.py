@@ -497,7 +497,7 @@ def _cache_kwarg(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(
     target: PreTrainedModel,
     session: DraftSession,
@@ -559,7 +559,8 @@ def generate(
             out = target(
                 input_ids=tree.tokens[None].to(device),
                 position_ids=positions[None],
-                attention_mask=tree_attention_mask(tree, past_len, dtype, device),
+                # A chain sees the prefix and itself causally: the model's own causal mask, cheaper than ours.
+                attention_mask=None if tree.is_chain else tree_attention_mask(tree, past_len, dtype, device),
                 use_cache=True,
                 output_hidden_states=want_hidden,
                 **{cache_kw: cache},
