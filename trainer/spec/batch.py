@@ -398,7 +398,7 @@ class BatchEngine:
             self.cache.keep_rows(keep)
             self.rows = [self.rows[i] for i in keep]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> list[RowStep]:
         """Admit waiting requests, verify one tree per active request, commit; [] when there is nothing to do."""
         self._drop()
