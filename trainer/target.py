@@ -14,7 +14,8 @@ On CPU with the shipped tiny target::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,29 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     return layers
 
 
+@contextmanager
+def capture_layers(model: PreTrainedModel, layer_ids: Sequence[int]) -> Iterator[dict[int, torch.Tensor]]:
+    """Within the block, forwards of ``model`` leave the output of each decoder layer in ``layer_ids`` in the
+    yielded dict (layer id -> Shape (B, T, H), the last forward's). Hooks on those layers only: transformers'
+    ``output_hidden_states`` records every layer through its output recorder, a cost per layer and forward that
+    the decoding engines avoid. The hooks are removed on leaving."""
+    layers = decoder_layers(model)
+    captured: dict[int, torch.Tensor] = {}
+
+    def keeper(layer_id: int):
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
+            captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    handles = [layers[i].register_forward_hook(keeper(i)) for i in sorted(set(layer_ids))]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def load_causal_lm(
     name_or_path: str,
     dtype: str | torch.dtype = "float32",
@@ -87,19 +111,10 @@ class Target(nn.Module):
         if bad:
             raise UserError(f"target layer ids {bad} out of range: the target has layers 0..{self.num_layers - 1}")
         self.layer_ids = list(layer_ids)
-        self._captured: dict[int, torch.Tensor] = {}
-        for i in sorted(set(self.layer_ids)):
-            layers[i].register_forward_hook(self._capture_hook(i))
 
     def train(self, mode: bool = True) -> Target:
         # A parent module's .train() must not switch the frozen target out of eval mode.
         return super().train(False)
-
-    def _capture_hook(self, layer_id: int):
-        def hook(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
-            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
-
-        return hook
 
     @classmethod
     def from_pretrained(
@@ -134,8 +149,7 @@ class Target(nn.Module):
         with_logits: bool = True,
     ) -> TargetOutput:
         """Shape: input_ids (B, T) → hidden states [(B, T, H)] × len(layer_ids), logits (B, T, V)."""
-        self._captured.clear()
-        try:
+        with capture_layers(self.model, self.layer_ids) as captured:
             if with_logits:
                 logits = self.model(
                     input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
@@ -144,7 +158,4 @@ class Target(nn.Module):
                 base = getattr(self.model, self.model.base_model_prefix)
                 base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
                 logits = None
-            hidden = [self._captured[i] for i in self.layer_ids]
-        finally:
-            self._captured.clear()
-        return TargetOutput(hidden_states=hidden, logits=logits)
+        return TargetOutput(hidden_states=[captured[i] for i in self.layer_ids], logits=logits)

@@ -51,6 +51,7 @@ from trainer.spec.drafting import BlockDraftSession, DraftSession, GraftSession,
 from trainer.spec.engine import BUILDERS, DEFAULT_OPTIONS, Clock, Step, StepEvent, _cache_kwarg, make_session
 from trainer.spec.options import TreeOptions
 from trainer.spec.verify import GREEDY, Sampling, accept, committed
+from trainer.target import capture_layers
 
 
 @dataclass(eq=False)
@@ -296,10 +297,11 @@ class BatchEngine:
                 sessions[kind] = make_session(tree, self.target, self.drafter, self.options)
         return sessions
 
-    def _features(self, out, layer_ids: tuple[int, ...], row, cols) -> torch.Tensor | None:
+    @staticmethod
+    def _features(states: dict[int, torch.Tensor], layer_ids: tuple[int, ...], row, cols) -> torch.Tensor | None:
         if not layer_ids:
             return None
-        return torch.cat([out.hidden_states[layer + 1][row, cols] for layer in layer_ids], dim=-1)
+        return torch.cat([states[layer][row, cols] for layer in layer_ids], dim=-1)
 
     @staticmethod
     def _draft_blocks(rows: list[BatchRequest], kind: type[DraftSession], budget: int) -> None:
@@ -338,19 +340,19 @@ class BatchEngine:
         layer_ids = tuple(sorted({i for s in sessions for i in s.layer_ids}))
         cache = DynamicCache(config=self.target.config)
         prompt = request.prompt.to(self.device)
-        out = self.target(
-            input_ids=prompt[None],
-            use_cache=True,
-            output_hidden_states=bool(layer_ids),
-            logits_to_keep=0 if self._prompt_logits(sessions) else 1,
-            **{self.cache_kw: cache},
-        )
+        with capture_layers(self.target, layer_ids) as states:
+            out = self.target(
+                input_ids=prompt[None],
+                use_cache=True,
+                logits_to_keep=0 if self._prompt_logits(sessions) else 1,
+                **{self.cache_kw: cache},
+            )
         logits = out.logits[0].float()
         if self.prefill_topk and logits.shape[0] == prompt.numel():
             request.prefill_topk = logits.topk(min(self.prefill_topk, logits.shape[-1]), dim=-1).indices
         request.tokens = [request.sampling.next_token(logits[-1], request.generator)]
         for session in sessions:
-            session.start(prompt, self._features(out, session.layer_ids, 0, slice(None)), logits)
+            session.start(prompt, self._features(states, session.layer_ids, 0, slice(None)), logits)
         request.past_len = prompt.numel()
         if request.on_tokens is not None:
             request.on_tokens(list(request.tokens), False)
@@ -436,14 +438,14 @@ class BatchEngine:
                 positions[b, :n] = request.past_len + depth
                 positions[b, n:] = request.past_len
                 ancestors[b, :n, :n] = tree.ancestor_mask()
-            out = self.target(
-                input_ids=ids.to(self.device),
-                position_ids=positions.to(self.device),
-                attention_mask=self.cache.mask(ancestors, self.dtype, self.device),
-                use_cache=True,
-                output_hidden_states=bool(layer_ids),
-                **{self.cache_kw: self.cache.cache},
-            )
+            with capture_layers(self.target, layer_ids) as states:
+                out = self.target(
+                    input_ids=ids.to(self.device),
+                    position_ids=positions.to(self.device),
+                    attention_mask=self.cache.mask(ancestors, self.dtype, self.device),
+                    use_cache=True,
+                    **{self.cache_kw: self.cache.cache},
+                )
             logits = out.logits.float()
             results = [
                 accept(tree, logits[b, : tree.tokens.numel()], r.sampling, r.generator)
@@ -464,7 +466,7 @@ class BatchEngine:
             counts = [len(path) for path in paths]
             # Per distinct feature set: each row's committed nodes' features. Shapes: (len(path_b), n*H) views.
             features = {
-                ids_: torch.split(self._features(out, ids_, row_of.to(self.device), col_of.to(self.device)), counts)
+                ids_: torch.split(self._features(states, ids_, row_of.to(self.device), col_of.to(self.device)), counts)
                 for ids_ in self._layer_sets(rows)
             }
             for b, (request, tree, new, path) in enumerate(zip(rows, trees, news, paths, strict=True)):
@@ -476,9 +478,11 @@ class BatchEngine:
                     session.commit([request.tokens[-1], *new[:-1]], row_features, tree, row_logits)
                 request.past_len += len(path)
                 request.tokens.extend(new)
-            if any(self.recycling in r.sessions.values() for r in rows):
+            if self.policy.speculating() and any(self.recycling in r.sessions.values() for r in rows):
                 # The shared adjacency learns every row's verified nodes in one call, rows in order (what one
-                # call per row would leave). Shape: nodes (B, T) bool, the real nodes of each row.
+                # call per row would leave). Shape: nodes (B, T) bool, the real nodes of each row. Not while the
+                # policy decodes plainly: a top-k per row per step is what plain decoding at a large batch
+                # cannot afford; the adjacency learns again from the first step that drafts.
                 sizes = torch.tensor([t.tokens.numel() for t in trees])
                 nodes = torch.arange(width)[None] < sizes[:, None]
                 self.recycling.learn(ids[nodes], logits[nodes.to(logits.device)])

@@ -13,7 +13,9 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   ``cost(arm, B') · B / B'`` (both averages start as plain means, so early figures are not biased);
 - an arm never measured at all is tried first, once;
 - probing: while the throughput lost to steps that were not the best estimate stays under ``probe_share`` of
-  all step time (plus ``probe_grace`` seconds, so that a fresh server can look around), a step goes to the arm
+  recent step time (both sums exponentially weighted, half-life ``probe_half_life`` seconds of step time, so a
+  budget left unspent at one load is not spent all at once at another), plus ``probe_grace`` seconds that fade
+  with the same half-life (so that a fresh server can look around), a step goes to the arm
   whose figure at this batch size is oldest among those whose estimated loss fits in what is left of that
   budget, so that acceptance that grows (the recycling adjacency learns) or costs that move are noticed; every
   other step takes the best estimate. A probe of arm ``a`` loses ``seconds · (1 - throughput(a) /
@@ -22,7 +24,7 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
 Probing is budgeted in lost throughput, not steps, because one probe of an expensive arm (a neural tree of 16
 nodes per row at batch 8) can cost as much as dozens of plain steps, while an arm within a few percent of the
 best costs almost nothing to keep measured; the controller's loss to probing is thus at most ``probe_share``
-of its time (after the grace). Nothing is assumed about the hardware: on a CPU
+of its time in any stretch of a few half-lives (after the grace). Nothing is assumed about the hardware: on a CPU
 where a drafter forward costs about as much as verifying a dozen tokens, the neural arms measure slower than
 plain decoding and lose; on an accelerator, where verifying 16-64 tokens costs about one, the same rule picks
 them. On CPU::
@@ -61,8 +63,9 @@ class Controller:
     def __init__(
         self,
         arms: list[tuple[str, int]],
-        probe_share: float = 0.02,
+        probe_share: float = 0.01,
         probe_grace: float = 1.0,
+        probe_half_life: float = 30.0,
         tau_decay: float = 0.05,
         cost_decay: float = 0.2,
     ) -> None:
@@ -70,14 +73,17 @@ class Controller:
         self.stats = {arm: ArmStats() for arm in self.arms}
         self.probe_share = probe_share
         self.probe_grace = probe_grace
+        self.probe_half_life = probe_half_life
         self.tau_decay = tau_decay
         self.cost_decay = cost_decay
         self.steps = 0
         self.last: tuple[str, int] = self.arms[0]
         # The share of the chosen arm's step that is lost to probing (0 when it is the best estimate).
         self.loss = 0.0
+        # Step seconds so far; and exponentially weighted (half-life ``probe_half_life``): step seconds, and
+        # seconds of throughput lost to probing.
         self.seconds = 0.0
-        # Seconds of throughput lost to probing so far.
+        self.recent_seconds = 0.0
         self.probe_seconds = 0.0
 
     @staticmethod
@@ -115,12 +121,17 @@ class Controller:
         else:
             # Only arms whose estimated loss fits in what is left of the probing budget: one probe of an
             # expensive arm must not overrun it many times over.
-            left = self.probe_share * self.seconds + self.probe_grace - self.probe_seconds
+            left = self.probe_left()
             affordable = [a for a in self.arms if (self.cost(a, batch_size) or 0.0) * loss[a] <= left]
             stalest = lambda a: self.stats[a].cost.get(batch_size, [0.0, -1, 0])[1]  # noqa: E731
             self.last = min(affordable, key=stalest) if affordable else best
         self.loss = 1.0 if never else loss[self.last]
         return self.last
+
+    def probe_left(self) -> float:
+        """Seconds of throughput that probing may still lose now (negative: overspent)."""
+        grace = self.probe_grace * 0.5 ** (self.seconds / self.probe_half_life)
+        return self.probe_share * self.recent_seconds + grace - self.probe_seconds
 
     def speculating(self) -> bool:
         """Whether the latest step drafted (plain decoding was neither the best estimate nor probed)."""
@@ -128,7 +139,9 @@ class Controller:
 
     def observe(self, tree: str, budget: int, batch_size: int, rows: list[RowStep], seconds: float) -> None:
         self.seconds += seconds
-        self.probe_seconds += seconds * self.loss
+        fade = 0.5 ** (seconds / self.probe_half_life)
+        self.recent_seconds = self.recent_seconds * fade + seconds
+        self.probe_seconds = self.probe_seconds * fade + seconds * self.loss
         stats = self.stats.get((tree, budget))
         if stats is None:
             return

@@ -66,6 +66,7 @@ from trainer.spec.verify import (
     growing_cache,
     tree_attention_mask,
 )
+from trainer.target import capture_layers
 
 DEFAULT_OPTIONS = TreeOptions()
 
@@ -521,27 +522,26 @@ def generate(
     stops = stop_token_ids or set()
     cache = growing_cache(target.config)
     cache_kw = _cache_kwarg(target)
-    want_hidden = bool(session.layer_ids)
     dtype = next(target.parameters()).dtype
     clock = Clock(device)
 
-    def features(out, rows: torch.Tensor | slice) -> torch.Tensor | None:
-        if not want_hidden:
+    def features(states: dict[int, torch.Tensor], rows: torch.Tensor | slice) -> torch.Tensor | None:
+        if not session.layer_ids:
             return None
-        return torch.cat([out.hidden_states[layer + 1][0, rows] for layer in session.layer_ids], dim=-1)
+        return torch.cat([states[layer][0, rows] for layer in session.layer_ids], dim=-1)
 
     start = time.perf_counter()
     prompt = prompt.to(device)
-    out = target(
-        input_ids=prompt[None],
-        use_cache=True,
-        output_hidden_states=want_hidden,
-        logits_to_keep=0 if session.needs_prompt_logits else 1,
-        **{cache_kw: cache},
-    )
+    with capture_layers(target, session.layer_ids) as states:
+        out = target(
+            input_ids=prompt[None],
+            use_cache=True,
+            logits_to_keep=0 if session.needs_prompt_logits else 1,
+            **{cache_kw: cache},
+        )
     logits = out.logits[0].float()
     tokens = [sampling.next_token(logits[-1], generator)]
-    session.start(prompt, features(out, slice(None)), logits)
+    session.start(prompt, features(states, slice(None)), logits)
     generation = Generation(tokens)
     generation.prefill_seconds = time.perf_counter() - start
 
@@ -556,15 +556,15 @@ def generate(
         with clock("verify"):
             depths = tree.depths()
             positions = (past_len + depths).to(device)
-            out = target(
-                input_ids=tree.tokens[None].to(device),
-                position_ids=positions[None],
-                # A chain sees the prefix and itself causally: the model's own causal mask, cheaper than ours.
-                attention_mask=None if tree.is_chain else tree_attention_mask(tree, past_len, dtype, device),
-                use_cache=True,
-                output_hidden_states=want_hidden,
-                **{cache_kw: cache},
-            )
+            with capture_layers(target, session.layer_ids) as states:
+                out = target(
+                    input_ids=tree.tokens[None].to(device),
+                    position_ids=positions[None],
+                    # A chain sees the prefix and itself causally: the model's own causal mask, cheaper than ours.
+                    attention_mask=None if tree.is_chain else tree_attention_mask(tree, past_len, dtype, device),
+                    use_cache=True,
+                    **{cache_kw: cache},
+                )
             logits = out.logits[0].float()
             result = accept(tree, logits, sampling, generator)
         with clock("commit"):
@@ -574,7 +574,7 @@ def generate(
             compact_cache(cache, past_len, path)
             # A chain's path is a prefix of the tree: a slice of the hidden states, not a gather.
             rows = slice(len(path)) if path[-1] == len(path) - 1 else torch.tensor(path, device=device)
-            session.commit([root, *new[:-1]], features(out, rows), tree, logits)
+            session.commit([root, *new[:-1]], features(states, rows), tree, logits)
             tokens.extend(new)
         if on_step is not None:
             with clock("log"):
