@@ -104,8 +104,9 @@ class Policy(Protocol):
     def observe(self, tree: str, budget: int, batch_size: int, rows: list[RowStep], seconds: float) -> None: ...
 
     def speculating(self) -> bool:
-        """Whether steps draft now: if not, a request admitted now skips the prompt evidence that only drafting
-        uses (the logits of every prompt position, an LM head over the whole prompt)."""
+        """Whether steps draft now or may soon: if not, a request admitted now skips the prompt evidence that
+        only drafting uses (the logits of every prompt position, an LM head over the whole prompt), and the
+        shared recycling adjacency does not learn the step's nodes."""
         ...
 
 

@@ -66,6 +66,7 @@ class Controller:
         probe_share: float = 0.01,
         probe_grace: float = 1.0,
         probe_half_life: float = 30.0,
+        ready_margin: float = 0.15,
         tau_decay: float = 0.05,
         cost_decay: float = 0.2,
     ) -> None:
@@ -74,10 +75,12 @@ class Controller:
         self.probe_share = probe_share
         self.probe_grace = probe_grace
         self.probe_half_life = probe_half_life
+        self.ready_margin = ready_margin
         self.tau_decay = tau_decay
         self.cost_decay = cost_decay
         self.steps = 0
         self.last: tuple[str, int] = self.arms[0]
+        self.batch_size = 1
         # The share of the chosen arm's step that is lost to probing (0 when it is the best estimate).
         self.loss = 0.0
         # Step seconds so far; and exponentially weighted (half-life ``probe_half_life``): step seconds, and
@@ -111,6 +114,7 @@ class Controller:
 
     def choose(self, batch_size: int) -> tuple[str, int]:
         self.steps += 1
+        self.batch_size = batch_size
         rates = {a: self.throughput(a, batch_size) for a in self.arms}
         best = max(self.arms, key=rates.__getitem__)
         # Per arm, the share of its step that is lost against the best estimate.
@@ -134,8 +138,15 @@ class Controller:
         return self.probe_share * self.recent_seconds + grace - self.probe_seconds
 
     def speculating(self) -> bool:
-        """Whether the latest step drafted (plain decoding was neither the best estimate nor probed)."""
-        return self.last[0] != "none"
+        """Whether the latest step drafted, or a drafting arm is within ``ready_margin`` of the best estimate at
+        the latest batch size. Then the engine keeps drafting state learning (recycling's adjacency, prompt
+        evidence); otherwise it saves that work. The margin keeps an arm that is nearly best from going stale
+        for want of learning and then measuring worse than it is."""
+        if self.last[0] != "none":
+            return True
+        rates = {a: self.throughput(a, self.batch_size) for a in self.arms}
+        best = max(rates.values())
+        return any(rates[a] >= (1 - self.ready_margin) * best for a in self.arms if a[0] != "none")
 
     def observe(self, tree: str, budget: int, batch_size: int, rows: list[RowStep], seconds: float) -> None:
         self.seconds += seconds
