@@ -64,7 +64,7 @@ class Controller:
         self,
         arms: list[tuple[str, int]],
         probe_share: float = 0.01,
-        probe_grace: float = 1.0,
+        probe_grace: float = 0.2,
         probe_half_life: float = 30.0,
         ready_margin: float = 0.15,
         tau_decay: float = 0.05,
