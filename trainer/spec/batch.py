@@ -482,8 +482,8 @@ class BatchEngine:
             if self.policy.speculating() and any(self.recycling in r.sessions.values() for r in rows):
                 # The shared adjacency learns every row's verified nodes in one call, rows in order (what one
                 # call per row would leave). Shape: nodes (B, T) bool, the real nodes of each row. Not while the
-                # policy decodes plainly: a top-k per row per step is what plain decoding at a large batch
-                # cannot afford; the adjacency learns again from the first step that drafts.
+                # policy decodes plainly with no drafting arm near the best (``Policy.speculating``): a top-k per
+                # row per step is what plain decoding at a large batch cannot afford.
                 sizes = torch.tensor([t.tokens.numel() for t in trees])
                 nodes = torch.arange(width)[None] < sizes[:, None]
                 self.recycling.learn(ids[nodes], logits[nodes.to(logits.device)])
