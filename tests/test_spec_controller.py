@@ -80,8 +80,8 @@ def test_an_unspent_probe_budget_does_not_pile_up():
 
 @pytest.mark.parametrize(("recycling_seconds", "keeps_learning"), [(0.022, True), (0.03, False)])
 def test_drafting_state_keeps_learning_only_while_a_drafting_arm_is_nearly_best(recycling_seconds, keeps_learning):
-    controller = Controller([("none", 0), ("recycling", 8)])
-    controller.choose(4)
+    # No probing: after the measurements below the controller picks its best estimate, plain decoding.
+    controller = Controller([("none", 0), ("recycling", 8)], probe_share=0.0, probe_grace=0.0)
     plain = StepEvent(0, 0, 0, Tree.from_lists([0], [-1]), [0], 0, torch.zeros(1), {}, 0, "none")
     drafted = StepEvent(0, 0, 0, chain(0, torch.arange(1, 9), 8), [0, 1], 0, torch.zeros(1), {}, 8, "recycling")
     for _ in range(5):
@@ -89,5 +89,5 @@ def test_drafting_state_keeps_learning_only_while_a_drafting_arm_is_nearly_best(
         controller.observe("recycling", 8, 4, [RowStep(None, drafted, [0, 0])] * 4, recycling_seconds)
     # Plain: 4 rows x 1 token / 0.01 s = 400 tokens/s; recycling: 4 x 2 / 0.022 = 364 (within 15%) or / 0.03 = 267.
     assert controller.throughput(("none", 0), 4) == pytest.approx(400)
-    controller.last = ("none", 0)  # the latest step decoded plainly
+    assert controller.choose(4) == ("none", 0)
     assert controller.speculating() is keeps_learning

@@ -81,6 +81,15 @@ def capture_layers(model: PreTrainedModel, layer_ids: Sequence[int]) -> Iterator
             handle.remove()
 
 
+def layer_features(states: dict[int, torch.Tensor], layer_ids: Sequence[int], index: tuple) -> torch.Tensor | None:
+    """A drafter's input feature from captured layers (``capture_layers``): ``states[l][index]`` of each layer in
+    ``layer_ids``, concatenated on the last dim (indexed first, so only the chosen positions are copied); None
+    when the drafter reads no layers."""
+    if not layer_ids:
+        return None
+    return torch.cat([states[layer][index] for layer in layer_ids], dim=-1)
+
+
 def load_causal_lm(
     name_or_path: str,
     dtype: str | torch.dtype = "float32",

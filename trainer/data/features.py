@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from trainer.data.pack import packed_attention_mask
+from trainer.data.pack import FEATURE_KEYS, packed_attention_mask
 from trainer.target import Target
 
-FEATURE_KEYS = ("features", "teacher_topk_ids", "teacher_topk_logprobs")
+__all__ = ["FEATURE_KEYS", "online_features", "with_features"]
 
 
 @torch.no_grad()

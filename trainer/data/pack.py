@@ -87,12 +87,17 @@ def collate(rows: Sequence[dict], pad_id: int) -> dict[str, torch.Tensor]:
     }
 
 
+# What a row carries besides its tokens when its target features were computed before (a feature cache, or a
+# daemon's own): the concatenated hidden states, and the teacher's top-k ids and log-probs per position.
+FEATURE_KEYS = ("features", "teacher_topk_ids", "teacher_topk_logprobs")
+
+
 def collate_features(rows: list[dict], pad_id: int) -> dict:
-    """``collate`` plus right-padded ``features`` / teacher top-k when the rows carry them (offline)."""
+    """``collate`` plus right-padded ``FEATURE_KEYS`` when the rows carry them (offline)."""
     batch = collate(rows, pad_id)
     if "features" in rows[0]:
         width = batch["input_ids"].shape[1]
-        for key in ("features", "teacher_topk_ids", "teacher_topk_logprobs"):
+        for key in FEATURE_KEYS:
             first = rows[0][key]
             out = torch.zeros((len(rows), width, first.shape[-1]), dtype=first.dtype)
             for i, r in enumerate(rows):

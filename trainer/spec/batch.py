@@ -51,7 +51,7 @@ from trainer.spec.drafting import BlockDraftSession, DraftSession, GraftSession,
 from trainer.spec.engine import BUILDERS, DEFAULT_OPTIONS, Clock, Step, StepEvent, _cache_kwarg, make_session
 from trainer.spec.options import TreeOptions
 from trainer.spec.verify import GREEDY, Sampling, accept, committed
-from trainer.target import capture_layers
+from trainer.target import capture_layers, layer_features
 
 
 @dataclass(eq=False)
@@ -299,12 +299,6 @@ class BatchEngine:
         return sessions
 
     @staticmethod
-    def _features(states: dict[int, torch.Tensor], layer_ids: tuple[int, ...], row, cols) -> torch.Tensor | None:
-        if not layer_ids:
-            return None
-        return torch.cat([states[layer][row, cols] for layer in layer_ids], dim=-1)
-
-    @staticmethod
     def _draft_blocks(rows: list[BatchRequest], kind: type[DraftSession], budget: int) -> None:
         """When the builder drafts one block from the root (its session is or holds a block drafter's), draft
         every row's block now, one forward per drafter; the builder then takes its row's block. The depth is
@@ -353,7 +347,7 @@ class BatchEngine:
             request.prefill_topk = logits.topk(min(self.prefill_topk, logits.shape[-1]), dim=-1).indices
         request.tokens = [request.sampling.next_token(logits[-1], request.generator)]
         for session in sessions:
-            session.start(prompt, self._features(states, session.layer_ids, 0, slice(None)), logits)
+            session.start(prompt, layer_features(states, session.layer_ids, (0,)), logits)
         request.past_len = prompt.numel()
         if request.on_tokens is not None:
             request.on_tokens(list(request.tokens), False)
@@ -465,10 +459,10 @@ class BatchEngine:
             appended = torch.zeros(batch, width, dtype=torch.bool)
             appended[row_of, col_of] = True
             counts = [len(path) for path in paths]
+            committed_at = (row_of.to(self.device), col_of.to(self.device))
             # Per distinct feature set: each row's committed nodes' features. Shapes: (len(path_b), n*H) views.
             features = {
-                ids_: torch.split(self._features(states, ids_, row_of.to(self.device), col_of.to(self.device)), counts)
-                for ids_ in self._layer_sets(rows)
+                ids_: torch.split(layer_features(states, ids_, committed_at), counts) for ids_ in self._layer_sets(rows)
             }
             for b, (request, tree, new, path) in enumerate(zip(rows, trees, news, paths, strict=True)):
                 row_logits = logits[b, : tree.tokens.numel()]

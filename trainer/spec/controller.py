@@ -80,7 +80,8 @@ class Controller:
         self.cost_decay = cost_decay
         self.steps = 0
         self.last: tuple[str, int] = self.arms[0]
-        self.batch_size = 1
+        # ``speculating()``, decided with each choice; a controller that has measured nothing keeps every option ready.
+        self.keep_ready = True
         # The share of the chosen arm's step that is lost to probing (0 when it is the best estimate).
         self.loss = 0.0
         # Step seconds so far; and exponentially weighted (half-life ``probe_half_life``): step seconds, and
@@ -114,7 +115,6 @@ class Controller:
 
     def choose(self, batch_size: int) -> tuple[str, int]:
         self.steps += 1
-        self.batch_size = batch_size
         rates = {a: self.throughput(a, batch_size) for a in self.arms}
         best = max(self.arms, key=rates.__getitem__)
         # Per arm, the share of its step that is lost against the best estimate.
@@ -130,6 +130,9 @@ class Controller:
             stalest = lambda a: self.stats[a].cost.get(batch_size, [0.0, -1, 0])[1]  # noqa: E731
             self.last = min(affordable, key=stalest) if affordable else best
         self.loss = 1.0 if never else loss[self.last]
+        self.keep_ready = self.last[0] != "none" or any(
+            loss[a] <= self.ready_margin for a in self.arms if a[0] != "none"
+        )
         return self.last
 
     def probe_left(self) -> float:
@@ -142,11 +145,7 @@ class Controller:
         the latest batch size. Then the engine keeps drafting state learning (recycling's adjacency, prompt
         evidence); otherwise it saves that work. The margin keeps an arm that is nearly best from going stale
         for want of learning and then measuring worse than it is."""
-        if self.last[0] != "none":
-            return True
-        rates = {a: self.throughput(a, self.batch_size) for a in self.arms}
-        best = max(rates.values())
-        return any(rates[a] >= (1 - self.ready_margin) * best for a in self.arms if a[0] != "none")
+        return self.keep_ready
 
     def observe(self, tree: str, budget: int, batch_size: int, rows: list[RowStep], seconds: float) -> None:
         self.seconds += seconds

@@ -66,7 +66,7 @@ from trainer.spec.verify import (
     growing_cache,
     tree_attention_mask,
 )
-from trainer.target import capture_layers
+from trainer.target import capture_layers, layer_features
 
 DEFAULT_OPTIONS = TreeOptions()
 
@@ -525,11 +525,6 @@ def generate(
     dtype = next(target.parameters()).dtype
     clock = Clock(device)
 
-    def features(states: dict[int, torch.Tensor], rows: torch.Tensor | slice) -> torch.Tensor | None:
-        if not session.layer_ids:
-            return None
-        return torch.cat([states[layer][0, rows] for layer in session.layer_ids], dim=-1)
-
     start = time.perf_counter()
     prompt = prompt.to(device)
     with capture_layers(target, session.layer_ids) as states:
@@ -541,7 +536,7 @@ def generate(
         )
     logits = out.logits[0].float()
     tokens = [sampling.next_token(logits[-1], generator)]
-    session.start(prompt, features(states, slice(None)), logits)
+    session.start(prompt, layer_features(states, session.layer_ids, (0,)), logits)
     generation = Generation(tokens)
     generation.prefill_seconds = time.perf_counter() - start
 
@@ -574,7 +569,7 @@ def generate(
             compact_cache(cache, past_len, path)
             # A chain's path is a prefix of the tree: a slice of the hidden states, not a gather.
             rows = slice(len(path)) if path[-1] == len(path) - 1 else torch.tensor(path, device=device)
-            session.commit([root, *new[:-1]], features(states, rows), tree, logits)
+            session.commit([root, *new[:-1]], layer_features(states, session.layer_ids, (0, rows)), tree, logits)
             tokens.extend(new)
         if on_step is not None:
             with clock("log"):

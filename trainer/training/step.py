@@ -99,7 +99,7 @@ def context_batch(
 ) -> dict[str, torch.Tensor]:
     """Logged contexts (prompt + output ids) as a training batch, one sample per row: the loss covers positions
     from ``loss_starts[i]`` on (the output), as the chat template's loss mask covers a reply. ``features``, when
-    given, are each sequence's target features computed before (``trainer.data.features.FEATURE_KEYS``, Shape:
+    given, are each sequence's target features computed before (``trainer.data.pack.FEATURE_KEYS``, Shape:
     (len(sequence), ...) each), padded in as an offline batch's are, so no step computes them again."""
     rows = [
         {

@@ -104,7 +104,10 @@ def _token_list(name: str, values: list, vocab_size: int | None) -> None:
     if set(map(type, values)) != {int}:
         bad = next(v for v in values if type(v) is not int)
         raise RecordError(f"{name} must hold token ids (int), found {type(bad).__name__} {_show(repr(bad))}")
-    low, high = min(values), max(values)
+    _token_range(name, min(values), max(values), vocab_size)
+
+
+def _token_range(name: str, low: int, high: int, vocab_size: int | None) -> None:
     if low < 0:
         raise RecordError(f"{name} holds a negative token id {_show(low)}")
     if vocab_size is not None and high >= vocab_size:
@@ -118,11 +121,7 @@ def _token_array(name: str, values: np.ndarray, vocab_size: int | None) -> None:
     if values.dtype.kind not in "iu":
         kind = "bool" if values.dtype.kind == "b" else "float" if values.dtype.kind == "f" else str(values.dtype)
         raise RecordError(f"{name} must hold token ids (int), found {kind} values")
-    low, high = int(values.min()), int(values.max())
-    if low < 0:
-        raise RecordError(f"{name} holds a negative token id {_show(low)}")
-    if vocab_size is not None and high >= vocab_size:
-        raise RecordError(f"{name} holds token id {_show(high)} outside the vocabulary of {vocab_size}")
+    _token_range(name, int(values.min()), int(values.max()), vocab_size)
 
 
 def _tokens(name: str, values: list | np.ndarray, vocab_size: int | None) -> None:
