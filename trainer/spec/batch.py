@@ -10,9 +10,14 @@ acceptance draws one target sample per committed position from the request's gen
 The KV cache is ragged: ``(B, heads, L, dim)`` with a validity mask ``(B, L)``. A step appends ``T`` columns
 (the largest tree; smaller trees are padded); the columns of rejected or padding nodes become holes, masked
 out of every later step by an additive 4-D mask built from each row's validity and its tree's ancestor mask.
-Column order does not matter to attention (positions are rotated into the keys), so no step copies the cache
-to close holes: trailing holes are cropped (a view), and the cache is compacted (one gather) only once holes
-make up half of it, which costs O(1) copies per column over a run.
+Column order does not matter to attention (positions are rotated into the keys). Every step already copies
+the whole cache (the cache's update concatenates), and every hole is read by every later step's attention,
+so holes are closed where it is cheap: after verification each row's kept columns move to the front of the
+step's own ``T`` columns (a gather of ``B·T`` columns) and the block is cropped to the most any row kept, so a
+step leaves ``max kept - kept`` holes per row rather than ``T - kept``. Rows are right-aligned (a row that
+joins shorter is padded in front), so when rows leave, the columns no row holds any more are a leading block,
+cropped as a view like trailing holes; the cache is compacted (one gather) once the holes left make up half
+of it, which costs O(1) copies per column over a run.
 
 Drafting sessions stay per request, and their drafter work is batched where the drafter allows: Token
 Recycling needs no drafter forward, one adjacency is shared by all requests (its hot start) and learns every
@@ -152,11 +157,13 @@ class RaggedCache:
                 layer.keys, layer.values = fn(layer.keys), fn(layer.values)
 
     def join(self, row: DynamicCache, length: int) -> None:
-        """Append a request prefilled alone (a one-row cache of ``length`` positions) as the last row."""
+        """Append a request prefilled alone (a one-row cache of ``length`` positions) as the last row. Rows are
+        right-aligned (the shorter ones padded in front), so the columns of rows that leave become a leading
+        block of holes, cropped as a view."""
         total = max(self.length, length)
 
         def pad(t: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.pad(t, (0, 0, 0, total - t.shape[-2]))
+            return torch.nn.functional.pad(t, (0, 0, total - t.shape[-2], 0))
 
         if self.valid.shape[0] == 0:
             self.cache = row
@@ -166,8 +173,8 @@ class RaggedCache:
             mine.keys = torch.cat([pad(mine.keys), pad(theirs.keys)])
             mine.values = torch.cat([pad(mine.values), pad(theirs.values)])
         new = torch.zeros(1, total, dtype=torch.bool)
-        new[0, :length] = True
-        self.valid = torch.cat([torch.nn.functional.pad(self.valid, (0, total - self.length)), new])
+        new[0, total - length :] = True
+        self.valid = torch.cat([torch.nn.functional.pad(self.valid, (total - self.length, 0)), new])
 
     def keep_rows(self, rows: list[int]) -> None:
         """Drop every row not in ``rows`` (in order)."""
@@ -181,30 +188,48 @@ class RaggedCache:
         self._trim()
 
     def commit(self, appended: torch.Tensor) -> None:
-        """The last forward appended ``T`` columns; ``appended`` (B, T) says which of them each row keeps."""
+        """The last forward appended ``T`` columns; ``appended`` (B, T) says which of them each row keeps. Each
+        row's kept columns move to the front of the block, which is cropped to the most any row kept."""
+        start = self.length
+        counts = appended.sum(1)
+        keep = int(counts.max()) if counts.numel() else 0
+        if keep < appended.shape[1]:
+            # Shape: (B, keep) the block's kept columns first, in their order (a stable sort).
+            order = (~appended).to(torch.int8).argsort(dim=1, stable=True)[:, :keep] + start
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                index = order.to(t.device)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
+                block = t.gather(2, index)
+                t = t[..., : start + keep, :]
+                t[..., start:, :] = block
+                return t
+
+            self._map(pack)
+            appended = torch.arange(keep)[None] < counts[:, None]
         self.valid = torch.cat([self.valid, appended], dim=1)
         self._trim()
 
     def _trim(self) -> None:
-        """Crop trailing holes (a view); gather the valid columns to the left once holes are half the cache."""
+        """Crop leading and trailing holes (a view); gather the valid columns to the right once holes are half
+        the cache."""
         used = self.valid.any(0).nonzero()
-        end = int(used.max()) + 1 if used.numel() else 0
-        if end < self.length:
-            self._map(lambda t: t[..., :end, :])
-            self.valid = self.valid[:, :end]
+        begin, end = (int(used.min()), int(used.max()) + 1) if used.numel() else (0, 0)
+        if end - begin < self.length:
+            self._map(lambda t: t[..., begin:end, :])
+            self.valid = self.valid[:, begin:end]
         counts = self.valid.sum(1)
         width = int(counts.max()) if counts.numel() else 0
         if 2 * width > self.length:
             return
-        # Stable sort puts each row's valid columns first, in their order.
-        order = (~self.valid).to(torch.int8).argsort(dim=1, stable=True)[:, :width]
+        # Stable sort puts each row's valid columns last, in their order.
+        order = self.valid.to(torch.int8).argsort(dim=1, stable=True)[:, self.length - width :]
 
         def gather(t: torch.Tensor) -> torch.Tensor:
             index = order.to(t.device)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
             return t.gather(2, index)
 
         self._map(gather)
-        self.valid = torch.arange(width)[None] < counts[:, None]
+        self.valid = torch.arange(width)[None] >= width - counts[:, None]
 
     def mask(self, ancestors: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Additive attention mask for appending ``T`` columns: a row's node sees its row's valid columns and
