@@ -164,3 +164,52 @@ def test_prefill_topk_is_the_targets_topk_at_every_prompt_position(shipped):
     while plain.busy:
         plain.step()
     assert request.prefill_topk is None
+
+
+class Scripted:
+    """Drafts with DDTree whenever every row can; gives DFlash sessions to requests admitted while ``want``."""
+
+    def __init__(self) -> None:
+        self.want = False
+        self.available: list[frozenset[str]] = []
+
+    def choose(self, batch_size, available=None):
+        self.available.append(available)
+        return ("ddtree", 8) if "ddtree" in available else ("none", 0)
+
+    def observe(self, tree, budget, batch_size, rows, seconds):
+        return None
+
+    def ready(self, tree):
+        return self.want
+
+    def speculating(self):
+        return True
+
+
+def test_a_drafter_session_only_for_requests_the_policy_wants_ready(shipped):
+    target, drafter, prompts = shipped
+    kind = BUILDERS["ddtree"].session
+    policy = Scripted()
+    engine = BatchEngine(target, drafter, ("none", "ddtree"), policy)
+    early = BatchRequest(prompts[0], 6)
+    engine.submit(early)
+    engine.step()
+    assert kind not in early.sessions and policy.available[-1] == frozenset({"none"})
+    policy.want = True
+    late = BatchRequest(prompts[1], 24)
+    engine.submit(late)
+    while not early.finished:
+        engine.step()
+        # A row without the drafter's session keeps the drafter's builders out of the whole batch.
+        assert "ddtree" not in policy.available[-1]
+    assert kind in late.sessions
+    while engine.busy:
+        engine.step()
+    assert "ddtree" in policy.available[-1]
+    assert any(step.tree_size > 0 for step in late.steps)
+    # Greedy: whatever each step drafted, the output is plain greedy decoding's.
+    for request, prompt in ((early, prompts[0]), (late, prompts[1])):
+        plain = make_session("none", target, None)
+        alone = generate(target, plain, BUILDERS["none"], prompt, request.max_new_tokens, 0)
+        assert request.tokens == alone.tokens

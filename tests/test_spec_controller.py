@@ -91,3 +91,25 @@ def test_drafting_state_keeps_learning_only_while_a_drafting_arm_is_nearly_best(
     assert controller.throughput(("none", 0), 4) == pytest.approx(400)
     assert controller.choose(4) == ("none", 0)
     assert controller.speculating() is keeps_learning
+
+
+def test_a_drafter_far_behind_gets_no_sessions_until_it_is_due_for_a_measurement():
+    controller = Controller([("none", 0), ("ddtree", 8)], probe_share=0.0, probe_grace=0.0, refresh=5.0)
+    plain = StepEvent(0, 0, 0, Tree.from_lists([0], [-1]), [0], 0, torch.zeros(1), {}, 0, "none")
+    drafted = StepEvent(0, 0, 0, chain(0, torch.arange(1, 9), 8), [0, 1], 0, torch.zeros(1), {}, 8, "ddtree")
+    # Never measured: its sessions are kept so that it can be.
+    assert controller.ready("ddtree")
+    controller.observe("ddtree", 8, 4, [RowStep(None, drafted, [0, 0])] * 4, 0.05)
+    controller.observe("none", 0, 4, [RowStep(None, plain, [0])] * 4, 0.01)
+    # 4 x 2 / 0.05 = 160 tokens/s against plain's 400: far outside the ready margin.
+    assert controller.choose(4) == ("none", 0)
+    assert not controller.ready("ddtree")
+    # Not available (some row lacks the session): never chosen, and nothing is charged to probing for it.
+    for step in range(1, 511):
+        assert controller.choose(4, frozenset({"none"})) == ("none", 0)
+        assert controller.loss == 0.0
+        controller.observe("none", 0, 4, [RowStep(None, plain, [0])] * 4, 0.01)
+        if step == 490:
+            assert not controller.ready("ddtree")
+    # Five seconds of steps after its last measurement it is due again: new requests get its sessions.
+    assert controller.ready("ddtree")

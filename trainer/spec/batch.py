@@ -24,7 +24,9 @@ Recycling needs no drafter forward, one adjacency is shared by all requests (its
 row's verified nodes in one call; block drafters (DFlash and TreeFlash, under chain, DDTree, TreeFlash and
 Graft-DFlash trees) draft every row's block in one drafter forward per drafter
 (:func:`trainer.spec.drafting.draft_blocks`). EAGLE-3 and SpecBlock still draft one request at a time: their
-trees grow over several forwards whose number and width depend on each row's own frontier.
+trees grow over several forwards whose number and width depend on each row's own frontier. A drafter's session
+captures target features every step, drafting or not, so a request gets one only while the policy says the
+drafter may be used (``Policy.ready``); a builder is chosen only for a batch whose rows all have its session.
 
 On CPU with the shipped tiny target::
 
@@ -104,9 +106,17 @@ class RowStep:
 class Policy(Protocol):
     """Chooses the builder and budget of the next step and learns from what it cost."""
 
-    def choose(self, batch_size: int) -> tuple[str, int]: ...
+    def choose(self, batch_size: int, available: frozenset[str] | None = None) -> tuple[str, int]:
+        """The arm of the next step, among the builders in ``available`` (those every row has the session
+        for; None: all)."""
+        ...
 
     def observe(self, tree: str, budget: int, batch_size: int, rows: list[RowStep], seconds: float) -> None: ...
+
+    def ready(self, tree: str) -> bool:
+        """Whether a request admitted now gets the drafting session of ``tree`` (a drafter's sessions capture
+        target features every step, whether the step drafts or not)."""
+        ...
 
     def speculating(self) -> bool:
         """Whether steps draft now or may soon: if not, a request admitted now skips the prompt evidence that
@@ -122,11 +132,14 @@ class Fixed:
     tree: str
     budget: int
 
-    def choose(self, batch_size: int) -> tuple[str, int]:
+    def choose(self, batch_size: int, available: frozenset[str] | None = None) -> tuple[str, int]:
         return self.tree, self.budget
 
     def observe(self, tree: str, budget: int, batch_size: int, rows: list[RowStep], seconds: float) -> None:
         return None
+
+    def ready(self, tree: str) -> bool:
+        return True
 
     def speculating(self) -> bool:
         return self.tree != "none"
@@ -319,7 +332,7 @@ class BatchEngine:
                 sessions[kind] = self.recycling
             elif kind is DraftSession:
                 sessions[kind] = DraftSession()
-            else:
+            elif self.policy.ready(tree):
                 sessions[kind] = make_session(tree, self.target, self.drafter, self.options)
         return sessions
 
@@ -432,7 +445,10 @@ class BatchEngine:
     def _step(self) -> list[RowStep]:
         start = time.perf_counter()
         rows, batch = self.rows, len(self.rows)
-        tree_name, budget = self.policy.choose(batch)
+        # A builder is available when every row has its session (a row admitted while the policy did not want a
+        # drafter's sessions has none).
+        available = frozenset(t for t in self.trees if all(BUILDERS[t].session in r.sessions for r in rows))
+        tree_name, budget = self.policy.choose(batch, available)
         builder = BUILDERS[tree_name]
         clock = Clock(self.device)
         forwards = [sum(s.forwards for s in r.sessions.values()) for r in rows]

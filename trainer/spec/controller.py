@@ -19,7 +19,12 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   whose figure at this batch size is oldest among those whose estimated loss fits in what is left of that
   budget, so that acceptance that grows (the recycling adjacency learns) or costs that move are noticed; every
   other step takes the best estimate. A probe of arm ``a`` loses ``seconds · (1 - throughput(a) /
-  throughput(best))``: the share of the step that the best arm would have turned into more tokens.
+  throughput(best))``: the share of the step that the best arm would have turned into more tokens;
+- readiness: a drafter's sessions capture target features every step, drafting or not, so a request admitted
+  now gets the neural builder's session only while one of its arms is within ``ready_margin`` of the best
+  estimate, was never measured, or has gone ``refresh`` seconds of step time without a measurement (then the
+  rows admitted from now on can be probed once the batch holds only them). The controller chooses among the
+  builders every row has the session of.
 
 Probing is budgeted in lost throughput, not steps, because one probe of an expensive arm (a neural tree of 16
 nodes per row at batch 8) can cost as much as dozens of plain steps, while an arm within a few percent of the
@@ -67,6 +72,7 @@ class Controller:
         probe_grace: float = 0.2,
         probe_half_life: float = 30.0,
         ready_margin: float = 0.15,
+        refresh: float = 30.0,
         tau_decay: float = 0.05,
         cost_decay: float = 0.2,
     ) -> None:
@@ -76,6 +82,7 @@ class Controller:
         self.probe_grace = probe_grace
         self.probe_half_life = probe_half_life
         self.ready_margin = ready_margin
+        self.refresh = refresh
         self.tau_decay = tau_decay
         self.cost_decay = cost_decay
         self.steps = 0
@@ -84,6 +91,10 @@ class Controller:
         self.keep_ready = True
         # The share of the chosen arm's step that is lost to probing (0 when it is the best estimate).
         self.loss = 0.0
+        # Per arm, its loss against the best estimate at the latest choice's batch size (empty: nothing chosen).
+        self.losses: dict[tuple[str, int], float] = {}
+        # Per arm, ``seconds`` when it was last measured.
+        self.measured_at: dict[tuple[str, int], float] = {}
         # Step seconds so far; and exponentially weighted (half-life ``probe_half_life``): step seconds, and
         # seconds of throughput lost to probing.
         self.seconds = 0.0
@@ -113,27 +124,46 @@ class Controller:
         cost = self.cost(arm, batch_size)
         return 0.0 if cost is None else batch_size * self.stats[arm].tau / cost
 
-    def choose(self, batch_size: int) -> tuple[str, int]:
+    def choose(self, batch_size: int, available: frozenset[str] | None = None) -> tuple[str, int]:
+        """The arm of the next step at ``batch_size``, among the builders in ``available`` (None: all)."""
         self.steps += 1
+        arms = [a for a in self.arms if available is None or a[0] in available]
         rates = {a: self.throughput(a, batch_size) for a in self.arms}
-        best = max(self.arms, key=rates.__getitem__)
-        # Per arm, the share of its step that is lost against the best estimate.
-        loss = {a: 1.0 - rates[a] / rates[best] if rates[best] > 0 else 0.0 for a in self.arms}
-        never = [a for a in self.arms if not self.stats[a].cost]
+
+        def losses(among: list[tuple[str, int]]) -> dict[tuple[str, int], float]:
+            # Per arm, the share of its step that is lost against the best estimate among ``among``.
+            top = max(rates[a] for a in among)
+            return {a: 1.0 - rates[a] / top if top > 0 else 0.0 for a in among}
+
+        # Against every arm, for readiness: an arm that is best but not available now is what it brings back.
+        self.losses = losses(self.arms)
+        loss = losses(arms)
+        best = max(arms, key=rates.__getitem__)
+        never = [a for a in arms if not self.stats[a].cost]
         if never:
             self.last = never[0]
         else:
             # Only arms whose estimated loss fits in what is left of the probing budget: one probe of an
             # expensive arm must not overrun it many times over.
             left = self.probe_left()
-            affordable = [a for a in self.arms if (self.cost(a, batch_size) or 0.0) * loss[a] <= left]
+            affordable = [a for a in arms if (self.cost(a, batch_size) or 0.0) * loss[a] <= left]
             stalest = lambda a: self.stats[a].cost.get(batch_size, [0.0, -1, 0])[1]  # noqa: E731
             self.last = min(affordable, key=stalest) if affordable else best
         self.loss = 1.0 if never else loss[self.last]
-        self.keep_ready = self.last[0] != "none" or any(
-            loss[a] <= self.ready_margin for a in self.arms if a[0] != "none"
-        )
+        self.keep_ready = self.last[0] != "none" or any(loss[a] <= self.ready_margin for a in arms if a[0] != "none")
         return self.last
+
+    def ready(self, tree: str) -> bool:
+        """Whether a request admitted now gets ``tree``'s drafting session: one of its arms was never measured,
+        is within ``ready_margin`` of the best estimate at the latest batch size, or is due for a measurement
+        (``refresh`` seconds of step time since its last)."""
+        return any(
+            a not in self.measured_at
+            or self.losses.get(a, 0.0) <= self.ready_margin
+            or self.seconds - self.measured_at[a] >= self.refresh
+            for a in self.arms
+            if a[0] == tree
+        )
 
     def probe_left(self) -> float:
         """Seconds of throughput that probing may still lose now (negative: overspent)."""
@@ -155,6 +185,7 @@ class Controller:
         stats = self.stats.get((tree, budget))
         if stats is None:
             return
+        self.measured_at[tree, budget] = self.seconds
         cell = stats.cost.setdefault(batch_size, [0.0, 0, 0])
         cell[2] += 1
         log_cost = math.log(cell[0]) if cell[2] > 1 else 0.0
