@@ -28,7 +28,10 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   now gets the neural builder's session only while one of its arms is within ``ready_margin`` of the best
   estimate, was never measured, or has gone ``refresh`` seconds of step time without a measurement (then the
   rows admitted from now on can be probed once the batch holds only them). The controller chooses among the
-  builders every row has the session of.
+  builders every row has the session of. Readiness (and whether recycling keeps learning) is judged at the
+  recent batch size (weighted over ~20 steps), the size a request admitted now will mostly run at: judged at
+  the momentary size, every dip after a request leaves (4 → 3 at four clients) made a drafter look near-best
+  and gave the next request its sessions.
 
 Probing is budgeted in lost throughput, not steps, because one probe of an expensive arm (a neural tree of 16
 nodes per row at batch 8) can cost as much as dozens of plain steps, while an arm within a few percent of the
@@ -95,7 +98,10 @@ class Controller:
         self.keep_ready = True
         # The share of the chosen arm's step that is lost to probing (0 when it is the best estimate).
         self.loss = 0.0
-        # Per arm, its loss against the best estimate at the latest choice's batch size (empty: nothing chosen).
+        # Batch size of recent steps, exponentially weighted over about 20 steps: what a request admitted now
+        # will mostly run at, so readiness is judged there, not at the dip of a step after a request left.
+        self.load: float | None = None
+        # Per arm, its loss against the best estimate at the recent batch size (empty: nothing chosen yet).
         self.losses: dict[tuple[str, int], float] = {}
         # Per arm, ``seconds`` when it was last measured.
         self.measured_at: dict[tuple[str, int], float] = {}
@@ -132,17 +138,19 @@ class Controller:
         """The arm of the next step at ``batch_size``, among the builders in ``available`` (None: all)."""
         self.steps += 1
         arms = [a for a in self.arms if available is None or a[0] in available]
-        rates = {a: self.throughput(a, batch_size) for a in self.arms}
+        self.load = batch_size if self.load is None else self.load + 0.05 * (batch_size - self.load)
 
-        def losses(among: list[tuple[str, int]]) -> dict[tuple[str, int], float]:
+        def losses(among: list[tuple[str, int]], batch: int) -> dict[tuple[str, int], float]:
             # Per arm, the share of its step that is lost against the best estimate among ``among``.
-            top = max(rates[a] for a in among)
+            rates = {a: self.throughput(a, batch) for a in among}
+            top = max(rates.values())
             return {a: 1.0 - rates[a] / top if top > 0 else 0.0 for a in among}
 
-        # Against every arm, for readiness: an arm that is best but not available now is what it brings back.
-        self.losses = losses(self.arms)
-        loss = losses(arms)
-        best = max(arms, key=rates.__getitem__)
+        # At the recent batch size and against every arm, for readiness: an arm that is best but not available
+        # now is what readiness brings back.
+        self.losses = losses(self.arms, max(1, round(self.load)))
+        loss = losses(arms, batch_size)
+        best = min(arms, key=loss.__getitem__)
         never = [a for a in arms if not self.stats[a].cost]
         if never:
             self.last = never[0]
@@ -154,12 +162,14 @@ class Controller:
             stalest = lambda a: self.stats[a].cost.get(batch_size, [0.0, -1, 0])[1]  # noqa: E731
             self.last = min(affordable, key=stalest) if affordable else best
         self.loss = 1.0 if never else loss[self.last]
-        self.keep_ready = self.last[0] != "none" or any(loss[a] <= self.ready_margin for a in arms if a[0] != "none")
+        self.keep_ready = self.last[0] != "none" or any(
+            self.losses[a] <= self.ready_margin for a in arms if a[0] != "none"
+        )
         return self.last
 
     def ready(self, tree: str) -> bool:
         """Whether a request admitted now gets ``tree``'s drafting session: one of its arms was never measured,
-        is within ``ready_margin`` of the best estimate at the latest batch size, or is due for a measurement
+        is within ``ready_margin`` of the best estimate at the recent batch size, or is due for a measurement
         (``refresh`` seconds of step time since its last)."""
         return any(
             a not in self.measured_at
@@ -176,7 +186,7 @@ class Controller:
 
     def speculating(self) -> bool:
         """Whether the latest step drafted, or a drafting arm is within ``ready_margin`` of the best estimate at
-        the latest batch size. Then the engine keeps drafting state learning (recycling's adjacency, prompt
+        the recent batch size. Then the engine keeps drafting state learning (recycling's adjacency, prompt
         evidence); otherwise it saves that work. The margin keeps an arm that is nearly best from going stale
         for want of learning and then measuring worse than it is."""
         return self.keep_ready
