@@ -146,10 +146,11 @@ class Controller:
             top = max(rates.values())
             return {a: 1.0 - rates[a] / top if top > 0 else 0.0 for a in among}
 
-        # At the recent batch size and against every arm, for readiness: an arm that is best but not available
-        # now is what readiness brings back.
-        self.losses = losses(self.arms, max(1, round(self.load)))
         loss = losses(arms, batch_size)
+        # At the recent batch size and against every arm, for readiness: an arm that is best but not available
+        # now is what readiness brings back. Usually the same figures as the step's (computed once then).
+        typical = max(1, round(self.load))
+        self.losses = loss if typical == batch_size and len(arms) == len(self.arms) else losses(self.arms, typical)
         best = min(arms, key=loss.__getitem__)
         never = [a for a in arms if not self.stats[a].cost]
         if never:
