@@ -12,7 +12,7 @@ The KV cache is ragged: ``(B, heads, L, dim)`` with a validity mask ``(B, L)``. 
 out of every later step by an additive 4-D mask built from each row's validity and its tree's ancestor mask.
 Column order does not matter to attention (positions are rotated into the keys). Every step already copies
 the whole cache (the cache's update concatenates), and every hole is read by every later step's attention,
-so holes are closed where it is cheap: after verification each row's kept columns move to the front of the
+so holes are closed where it is cheap: after verification each row's kept columns move to the end of the
 step's own ``T`` columns (a gather of ``B·T`` columns) and the block is cropped to the most any row kept, so a
 step leaves ``max kept - kept`` holes per row rather than ``T - kept``. Rows are right-aligned (a row that
 joins shorter is padded in front), so when rows leave, the columns no row holds any more are a leading block,
@@ -145,6 +145,22 @@ class Fixed:
         return self.tree != "none"
 
 
+def _right_aligned(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the columns that gather its valid ones last, in their order, into as few columns as the fullest
+    row needs; and the validity of the result. Shapes: (B, L) bool -> (B, W) long, (B, W) bool."""
+    counts = valid.sum(1)
+    width = int(counts.max()) if counts.numel() else 0
+    # A stable sort puts each row's holes first and its valid columns after them, both in their order.
+    order = valid.to(torch.int8).argsort(dim=1, stable=True)[:, valid.shape[1] - width :]
+    return order, torch.arange(width)[None] >= width - counts[:, None]
+
+
+def _columns(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``t[b, :, order[b], :]`` for every row. Shapes: (B, heads, L, dim), (B, W) -> (B, heads, W, dim)"""
+    index = order.to(t.device)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
+    return t.gather(2, index)
+
+
 class RaggedCache:
     """The batch's target KV cache: a ``DynamicCache`` of ``(B, heads, L, dim)`` layers plus ``valid`` (B, L)."""
 
@@ -202,23 +218,19 @@ class RaggedCache:
 
     def commit(self, appended: torch.Tensor) -> None:
         """The last forward appended ``T`` columns; ``appended`` (B, T) says which of them each row keeps. Each
-        row's kept columns move to the front of the block, which is cropped to the most any row kept."""
+        row's kept columns move to the end of the block, which is cropped to the most any row kept."""
         start = self.length
-        counts = appended.sum(1)
-        keep = int(counts.max()) if counts.numel() else 0
-        if keep < appended.shape[1]:
-            # Shape: (B, keep) the block's kept columns first, in their order (a stable sort).
-            order = (~appended).to(torch.int8).argsort(dim=1, stable=True)[:, :keep] + start
+        width = appended.shape[1]
+        order, appended = _right_aligned(appended)
+        if appended.shape[1] < width:
 
             def pack(t: torch.Tensor) -> torch.Tensor:
-                index = order.to(t.device)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
-                block = t.gather(2, index)
-                t = t[..., : start + keep, :]
+                block = _columns(t, order + start)
+                t = t[..., : start + block.shape[-2], :]
                 t[..., start:, :] = block
                 return t
 
             self._map(pack)
-            appended = torch.arange(keep)[None] < counts[:, None]
         self.valid = torch.cat([self.valid, appended], dim=1)
         self._trim()
 
@@ -231,18 +243,10 @@ class RaggedCache:
             self._map(lambda t: t[..., begin:end, :])
             self.valid = self.valid[:, begin:end]
         counts = self.valid.sum(1)
-        width = int(counts.max()) if counts.numel() else 0
-        if 2 * width > self.length:
+        if counts.numel() and 2 * int(counts.max()) > self.length:
             return
-        # Stable sort puts each row's valid columns last, in their order.
-        order = self.valid.to(torch.int8).argsort(dim=1, stable=True)[:, self.length - width :]
-
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            index = order.to(t.device)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
-            return t.gather(2, index)
-
-        self._map(gather)
-        self.valid = torch.arange(width)[None] >= width - counts[:, None]
+        order, self.valid = _right_aligned(self.valid)
+        self._map(lambda t: _columns(t, order))
 
     def mask(self, ancestors: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Additive attention mask for appending ``T`` columns: a row's node sees its row's valid columns and
