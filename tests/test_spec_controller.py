@@ -72,7 +72,7 @@ def test_an_unspent_probe_budget_does_not_pile_up():
     event = StepEvent(0, 0, 0, Tree.from_lists([0], [-1]), [0], 0, torch.zeros(1), {}, 0, "none")
     for _ in range(36000):
         controller.choose(4)
-        controller.loss = 0.0
+        controller.probing = False
         controller.observe("none", 0, 4, [RowStep(None, event, [0])], 0.1)
     window = controller.probe_half_life / math.log(2)
     assert controller.probe_left() == pytest.approx(controller.probe_share * window, rel=0.01)
@@ -107,9 +107,27 @@ def test_a_drafter_far_behind_gets_no_sessions_until_it_is_due_for_a_measurement
     # Not available (some row lacks the session): never chosen, and nothing is charged to probing for it.
     for step in range(1, 511):
         assert controller.choose(4, frozenset({"none"})) == ("none", 0)
-        assert controller.loss == 0.0
+        assert not controller.probing
         controller.observe("none", 0, 4, [RowStep(None, plain, [0])] * 4, 0.01)
         if step == 490:
             assert not controller.ready("ddtree")
     # Five seconds of steps after its last measurement it is due again: new requests get its sessions.
     assert controller.ready("ddtree")
+
+
+def test_a_probe_is_charged_the_throughput_it_realised_not_its_estimate():
+    controller = Controller([("none", 0), ("recycling", 8)], probe_share=0.5, probe_grace=0.0)
+    plain = StepEvent(0, 0, 0, Tree.from_lists([0], [-1]), [0], 0, torch.zeros(1), {}, 0, "none")
+    drafted = StepEvent(0, 0, 0, chain(0, torch.arange(1, 9), 8), [0, 1], 0, torch.zeros(1), {}, 8, "recycling")
+    for _ in range(5):
+        controller.observe("recycling", 8, 4, [RowStep(None, drafted, [0, 0])] * 4, 0.022)
+        controller.observe("none", 0, 4, [RowStep(None, plain, [0])] * 4, 0.01)
+    assert controller.choose(4) == ("none", 0)
+    controller.observe("none", 0, 4, [RowStep(None, plain, [0])] * 4, 0.01)
+    assert controller.probe_seconds == 0.0
+    # Recycling's figure is now the stalest and the budget is ample: a probe. Estimated at 4 x 2 / 0.022 = 364
+    # tokens/s against plain's 400 (a loss of 0.002 s), it commits one token per row: 0.022 - 4 / 400 = 0.012 s lost.
+    assert controller.choose(4) == ("recycling", 8)
+    miss = StepEvent(0, 0, 0, chain(0, torch.arange(1, 9), 8), [0], 0, torch.zeros(1), {}, 8, "recycling")
+    controller.observe("recycling", 8, 4, [RowStep(None, miss, [0])] * 4, 0.022)
+    assert controller.probe_seconds == pytest.approx(0.012)
