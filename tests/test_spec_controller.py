@@ -13,13 +13,14 @@ from trainer.spec.engine import StepEvent
 from trainer.spec.tree import Tree, chain
 
 
-def simulate(costs, accept, batch_sizes, steps=12000, seed=0):
-    """Run the controller; returns its tokens/s and every fixed arm's at each batch size."""
+def simulate(costs, accept, batch_sizes, steps=12000, seed=0, schedule=None, **options):
+    """Run the controller; returns its tokens/s and every fixed arm's at each batch size. ``schedule``: the batch
+    size of every step (default: drawn from ``batch_sizes``)."""
     rng = random.Random(seed)
-    controller = Controller(list(costs))
+    controller = Controller(list(costs), **options)
     made = {b: [0, 0.0] for b in batch_sizes}
-    for _ in range(steps):
-        batch = rng.choice(batch_sizes)
+    for step in range(steps):
+        batch = schedule[step] if schedule else rng.choice(batch_sizes)
         tree_name, budget = controller.choose(batch)
         seconds = costs[tree_name, budget](batch)
         rows = []
@@ -65,6 +66,29 @@ def test_the_controller_ends_near_the_best_arm_at_every_batch_size(gpu_like):
     assert -max(cost(8) for cost in costs.values()) <= controller.probe_left() < controller.probe_share * 3
 
 
+def test_a_load_ramping_up_finds_plain_decoding_best_at_the_new_batch_size():
+    # Recycling wins at one request, plain decoding at eight, where its step costs 1.6x its step at one. Scaled
+    # linearly from one request, plain decoding would look 8x slower at eight: recycling would win there too,
+    # and probing plain decoding (estimated loss 58%) would not fit the budget.
+    controller = Controller([("none", 0), ("recycling", 8)], probe_share=0.005, probe_grace=0.0)
+    plain = StepEvent(0, 0, 0, Tree.from_lists([0], [-1]), [0], 0, torch.zeros(1), {}, 0, "none")
+    drafted = StepEvent(0, 0, 0, chain(0, torch.arange(1, 9), 8), [0, 1, 2], 0, torch.zeros(1), {}, 8, "recycling")
+    cost = {("none", 0): {1: 0.0066, 8: 0.0108}, ("recycling", 8): {1: 0.0116, 8: 0.0508}}
+    row = {("none", 0): RowStep(None, plain, [0]), ("recycling", 8): RowStep(None, drafted, [0, 0, 0])}
+    seen = {1: [], 8: []}
+    for batch, steps in ((1, 40), (8, 40)):
+        for _ in range(steps):
+            arm = controller.choose(batch)
+            seen[batch].append(arm)
+            controller.observe(*arm, batch, [row[arm]] * batch, cost[arm][batch])
+    # One request: 1 token / 6.6 ms = 152 tokens/s against 3 / 11.6 ms = 259; eight: 741 against 472.
+    assert seen[1][-10:] == [("recycling", 8)] * 10
+    assert seen[8][-10:] == [("none", 0)] * 10
+    # Plain decoding is measured at the new size first; recycling's cost there is first estimated from plain
+    # decoding's growth (optimistic: it is then tried, and measured).
+    assert seen[8][: controller.min_samples] == [("none", 0)] * controller.min_samples
+
+
 def test_an_unspent_probe_budget_does_not_pile_up():
     # An hour of steps on the best arm: the budget is a share of recent time, so what a quiet hour left unspent
     # cannot be lost all at once when the load changes (a cumulative one would allow 36 s here).
@@ -99,8 +123,9 @@ def test_a_drafter_far_behind_gets_no_sessions_until_it_is_due_for_a_measurement
     drafted = StepEvent(0, 0, 0, chain(0, torch.arange(1, 9), 8), [0, 1], 0, torch.zeros(1), {}, 8, "ddtree")
     # Never measured: its sessions are kept so that it can be.
     assert controller.ready("ddtree")
-    controller.observe("ddtree", 8, 4, [RowStep(None, drafted, [0, 0])] * 4, 0.05)
-    controller.observe("none", 0, 4, [RowStep(None, plain, [0])] * 4, 0.01)
+    for _ in range(controller.min_samples):
+        controller.observe("ddtree", 8, 4, [RowStep(None, drafted, [0, 0])] * 4, 0.05)
+        controller.observe("none", 0, 4, [RowStep(None, plain, [0])] * 4, 0.01)
     # 4 x 2 / 0.05 = 160 tokens/s against plain's 400: far outside the ready margin.
     assert controller.choose(4) == ("none", 0)
     assert not controller.ready("ddtree")

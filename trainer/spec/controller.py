@@ -9,13 +9,21 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   path reached depth ``d``" (the live acceptance by depth), and ``cost(arm, B)`` is an exponential moving
   average of the logarithm of the measured wall time of whole steps (drafting, tree, verification, commit)
   with that arm at that batch size (a geometric mean: one step descheduled on a shared machine does not sink
-  an arm); an arm not yet measured at ``B`` is estimated from its nearest measured batch size ``B'`` as
-  ``cost(arm, B') · B / B'`` (both averages start as plain means, so early figures are not biased). The
+  an arm; an arm not measured at ``B`` is estimated from another batch size, below; both averages start as
+  plain means, so early figures are not biased). The
   acceptance average spans about ``1 / tau_decay`` rows (100): one row's accepted length varies from 0 to the
   whole tree, and an arm is left (and stops being measured) just when its average dips, so a short window
   keeps it low (measured with recycling at one request: a 20-row window estimated τ 1.33 where its steps
   realised 1.72, and the controller spent 45% of its time on slower plain decoding; 100 rows: 1.55 and 8%);
-- an arm never measured at all is tried first, once;
+- an arm never measured at all is tried first, once; plain decoding is tried at every batch size until it
+  has ``min_samples`` (2) measurements there (the first step at a new size can be an outlier). Another arm's
+  cost at a batch size where it was not measured is its cost at the nearest size ``B'`` where both were,
+  scaled by plain decoding's ``cost(none, B) / cost(none, B')``: optimistic for a drafting arm on a CPU (its
+  verified tokens grow with the batch, plain decoding's only by one per request), and an arm that looks better
+  than it is gets chosen and measured, while one that looks worse may never be. Scaled linearly instead
+  (``B / B'``), plain decoding measured only at small batches looked 2.4 times slower at eight requests than
+  it was (its step there costs 1.6 times its step at one, not 8); a recycling arm measured at eight won,
+  probing plain decoding never fit the budget, and the controller ran at 0.5x plain decoding;
 - probing: while the throughput lost to steps that were not the best estimate stays under ``probe_share`` of
   recent step time (both sums exponentially weighted, half-life ``probe_half_life`` seconds of step time, so a
   budget left unspent at one load is not spent all at once at another), plus ``probe_grace`` seconds that fade
@@ -55,6 +63,7 @@ from dataclasses import dataclass, field
 
 from trainer.spec.batch import RowStep
 
+PLAIN = ("none", 0)
 RECYCLING_BUDGETS = (8, 16, 32)
 NEURAL_BUDGETS = (4, 8, 16)
 
@@ -85,6 +94,7 @@ class Controller:
         refresh: float = 30.0,
         tau_decay: float = 0.01,
         cost_decay: float = 0.2,
+        min_samples: int = 2,
     ) -> None:
         self.arms = list(arms)
         self.stats = {arm: ArmStats() for arm in self.arms}
@@ -95,6 +105,7 @@ class Controller:
         self.refresh = refresh
         self.tau_decay = tau_decay
         self.cost_decay = cost_decay
+        self.min_samples = min_samples
         self.steps = 0
         self.last: tuple[str, int] = self.arms[0]
         # ``speculating()``, decided with each choice; a controller that has measured nothing keeps every option ready.
@@ -119,7 +130,7 @@ class Controller:
     @staticmethod
     def arms(neural_tree: str | None) -> list[tuple[str, int]]:
         """Plain decoding, recycling at a few budgets, and the neural builder at a few budgets if there is one."""
-        arms = [("none", 0)] + [("recycling", b) for b in RECYCLING_BUDGETS]
+        arms = [PLAIN] + [("recycling", b) for b in RECYCLING_BUDGETS]
         if neural_tree is not None and neural_tree not in ("none", "recycling"):
             arms += [(neural_tree, b) for b in NEURAL_BUDGETS]
         return arms
@@ -131,6 +142,11 @@ class Controller:
             return cells[batch_size][0]
         if not cells:
             return None
+        plain = self.stats[PLAIN].cost if PLAIN in self.stats else {}
+        common = [b for b in cells if b in plain]
+        if batch_size in plain and common:
+            near = min(common, key=lambda b: abs(b - batch_size))
+            return cells[near][0] * plain[batch_size][0] / plain[near][0]
         near = min(cells, key=lambda b: abs(b - batch_size))
         return cells[near][0] * batch_size / near
 
@@ -158,9 +174,14 @@ class Controller:
         self.losses = loss if typical == batch_size and len(arms) == len(self.arms) else losses(self.arms, typical)
         best = min(arms, key=loss.__getitem__)
         self.best_rate = self.throughput(best, batch_size)
-        never = [a for a in arms if not self.stats[a].cost]
-        if never:
-            self.last = never[0]
+        untried = [
+            a
+            for a in arms
+            if not self.stats[a].cost
+            or (a == PLAIN and self.stats[a].cost.get(batch_size, [0.0, 0, 0])[2] < self.min_samples)
+        ]
+        if untried:
+            self.last = untried[0]
         else:
             # Only arms whose estimated loss fits in what is left of the probing budget: one probe of an
             # expensive arm must not overrun it many times over.
@@ -168,7 +189,7 @@ class Controller:
             affordable = [a for a in arms if (self.cost(a, batch_size) or 0.0) * loss[a] <= left]
             stalest = lambda a: self.stats[a].cost.get(batch_size, [0.0, -1, 0])[1]  # noqa: E731
             self.last = min(affordable, key=stalest) if affordable else best
-        self.probing = bool(never) or loss[self.last] > 0.0
+        self.probing = bool(untried) or loss[self.last] > 0.0
         self.keep_ready = self.last[0] != "none" or any(
             self.losses[a] <= self.ready_margin for a in arms if a[0] != "none"
         )
