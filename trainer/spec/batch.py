@@ -121,7 +121,7 @@ class Policy(Protocol):
     def speculating(self) -> bool:
         """Whether steps draft now or may soon: if not, a request admitted now skips the prompt evidence that
         only drafting uses (the logits of every prompt position, an LM head over the whole prompt), and the
-        shared recycling adjacency does not learn the step's nodes."""
+        shared recycling adjacency does not learn the nodes of plain steps."""
         ...
 
 
@@ -518,11 +518,13 @@ class BatchEngine:
                     session.commit([request.tokens[-1], *new[:-1]], row_features, tree, row_logits)
                 request.past_len += len(path)
                 request.tokens.extend(new)
-            if self.policy.speculating() and any(self.recycling in r.sessions.values() for r in rows):
+            if (tree_name != "none" or self.policy.speculating()) and any(
+                self.recycling in r.sessions.values() for r in rows
+            ):
                 # The shared adjacency learns every row's verified nodes in one call, rows in order (what one
-                # call per row would leave). Shape: nodes (B, T) bool, the real nodes of each row. Not while the
-                # policy decodes plainly with no drafting arm near the best (``Policy.speculating``): a top-k per
-                # row per step is what plain decoding at a large batch cannot afford.
+                # call per row would leave). Shape: nodes (B, T) bool, the real nodes of each row. On a plain
+                # step only while the policy may soon draft (``Policy.speculating``): a top-k per row per step is
+                # what plain decoding at a large batch cannot afford.
                 sizes = torch.tensor([t.tokens.numel() for t in trees])
                 nodes = torch.arange(width)[None] < sizes[:, None]
                 self.recycling.learn(ids[nodes], logits[nodes.to(logits.device)])
