@@ -9,12 +9,12 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   path reached depth ``d``" (the live acceptance by depth), and ``cost(arm, B)`` is an exponential moving
   average of the logarithm of the measured wall time of whole steps (drafting, tree, verification, commit)
   with that arm at that batch size (a geometric mean: one step descheduled on a shared machine does not sink
-  an arm; an arm not measured at ``B`` is estimated from another batch size, below; both averages start as
-  plain means, so early figures are not biased). The
-  acceptance average spans about ``1 / tau_decay`` rows (100): one row's accepted length varies from 0 to the
-  whole tree, and an arm is left (and stops being measured) just when its average dips, so a short window
-  keeps it low (measured with recycling at one request: a 20-row window estimated τ 1.33 where its steps
-  realised 1.72, and the controller spent 45% of its time on slower plain decoding; 100 rows: 1.55 and 8%);
+  an arm; both averages start as plain means, so early figures are not biased; an arm not measured at ``B``
+  is estimated from another batch size, below). The acceptance average spans about ``1 / tau_decay`` rows
+  (100): one row's accepted length varies from 0 to the whole tree, and an arm is left (and stops being
+  measured) just when its average dips, so a short window keeps it low (measured with recycling at one
+  request: a 20-row window estimated τ 1.33 where its steps realised 1.72, and the controller spent 45% of its
+  time on slower plain decoding; 100 rows: 1.55 and 8%);
 - an arm never measured at all is tried first, once; plain decoding is tried at every batch size until it
   has ``min_samples`` (2) measurements there (the first step at a new size can be an outlier). Another arm's
   cost at a batch size where it was not measured is its cost at the nearest size ``B'`` where both were,
