@@ -232,9 +232,10 @@ class Controller:
         # A probe is charged what it realised: its seconds less those the best estimate would have needed for
         # the tokens it committed. Charged its estimated loss instead, probes right after stretches of plain
         # decoding (recycling's adjacency stale, its first tree slow) lost 2.6% at four requests for 1% budgeted.
-        tokens = sum(len(row.new) for row in rows)
-        lost = seconds - tokens / self.best_rate if self.best_rate > 0 else seconds
-        self.probe_seconds = self.probe_seconds * fade + (max(0.0, lost) if self.probing else 0.0)
+        self.probe_seconds *= fade
+        if self.probing:
+            tokens = sum(len(row.new) for row in rows)
+            self.probe_seconds += max(0.0, seconds - tokens / self.best_rate) if self.best_rate > 0 else seconds
         stats = self.stats.get((tree, budget))
         if stats is None:
             return
