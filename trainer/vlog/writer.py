@@ -22,8 +22,10 @@ same prefix left behind, so readers stop waiting on them (a torn last line then 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import os
+import queue
 import threading
 import time
 from collections import deque
@@ -80,7 +82,9 @@ class LogWriter:
         self.interval = interval
         # Records, flush markers (Event) and the closing None, in order; the writer thread pops from the left.
         self._queue: deque = deque()
-        self._wake = threading.Event()
+        # Wake-ups for the writer thread. A SimpleQueue, not an Event: its put is reentrant, so a SIGTERM handler
+        # calling close() while the main thread is inside a wake-up does not deadlock (Event.set takes a lock).
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         # Slots for queued callables that hold large tensors (a step's logits): whoever takes one releases it
         # once its callable has run; without a slot, reduce the tensor before writing.
         self.deferred = threading.BoundedSemaphore(max_deferred)
@@ -101,7 +105,7 @@ class LogWriter:
             raise RuntimeError("write after close")
         # Full: poll for room rather than take a lock that a signal handler calling close() could deadlock on.
         while len(self._queue) >= self.queue_size and self._thread.is_alive():
-            self._wake.set()
+            self._wake.put(None)
             time.sleep(self.interval / 20)
         self._queue.append(record)
 
@@ -112,7 +116,7 @@ class LogWriter:
             return
         done = threading.Event()
         self._queue.append(done)
-        self._wake.set()
+        self._wake.put(None)
         done.wait()
         self._check()
 
@@ -122,7 +126,7 @@ class LogWriter:
             self._closed = True
             atexit.unregister(self.close)
             self._queue.append(None)
-            self._wake.set()
+            self._wake.put(None)
             self._thread.join()
             self._lock.close()
         self._check()
@@ -148,8 +152,10 @@ class LogWriter:
     # ---- writer thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            self._wake.wait(self._timeout())
-            self._wake.clear()
+            with contextlib.suppress(queue.Empty):
+                self._wake.get(timeout=self._timeout())
+            while not self._wake.empty():
+                self._wake.get_nowait()
             while self._queue:
                 item = self._queue.popleft()
                 if item is None:
