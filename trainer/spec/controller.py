@@ -192,21 +192,19 @@ class Controller:
             stalest = lambda a: self.stats[a].cost.get(batch_size, [0.0, -1, 0])[1]  # noqa: E731
             self.last = min(affordable, key=stalest) if affordable else best
         self.probing = bool(untried) or loss[self.last] > 0.0
-        self.keep_ready = any(
-            self.losses[a] <= self.ready_margin or not self.stats[a].cost for a in arms if a[0] != "none"
-        )
+        self.keep_ready = any(self._near_best(a) for a in arms if a[0] != "none")
         return self.last
+
+    def _near_best(self, arm: tuple[str, int]) -> bool:
+        """Never measured, or within ``ready_margin`` of the best estimate at the recent batch size."""
+        return arm not in self.measured_at or self.losses.get(arm, 0.0) <= self.ready_margin
 
     def ready(self, tree: str) -> bool:
         """Whether a request admitted now gets ``tree``'s drafting session: one of its arms was never measured,
         is within ``ready_margin`` of the best estimate at the recent batch size, or is due for a measurement
         (``refresh`` seconds of step time since its last)."""
         return any(
-            a not in self.measured_at
-            or self.losses.get(a, 0.0) <= self.ready_margin
-            or self.seconds - self.measured_at[a] >= self.refresh
-            for a in self.arms
-            if a[0] == tree
+            self._near_best(a) or self.seconds - self.measured_at[a] >= self.refresh for a in self.arms if a[0] == tree
         )
 
     def probe_left(self) -> float:
