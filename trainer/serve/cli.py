@@ -97,6 +97,9 @@ def main(argv: list[str]) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((args.host, args.port))
+        # Listening before the address is printed: a client that connects before uvicorn has started waits in
+        # the backlog instead of being refused (a bound socket that does not listen refuses connections).
+        sock.listen(2048)
     except OSError as e:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     worker.start()
