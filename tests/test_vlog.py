@@ -386,15 +386,19 @@ while True:
 def test_recorder_logs_the_targets_topk_whether_reduced_here_or_on_the_writer_thread(tmp_path, max_deferred):
     import torch
 
+    from trainer.sampling import top_rows
     from trainer.spec.engine import StepEvent
     from trainer.spec.tree import Tree
     from trainer.vlog.recorder import StepRecorder
 
     torch.manual_seed(0)
     tree = Tree.from_lists([5, 10, 11, 12, 13], [-1, 0, 0, 1, 3])
+    logits = [torch.randn(5, V) for _ in range(12)]
+    # Every third step carries the ids greedy verification found (too narrow for k = 9 on step 3: ignored).
+    found = {i: top_rows(logits[i], 12 if i != 3 else 8)[0] for i in range(0, 12, 3)}
     events = [
-        StepEvent(i, 20 + i, 5, tree, [0, 1, 3], 7, torch.randn(5, V), {"draft": 1.0, "tree": 0.1, "verify": 2.0},
-                  6, "ddtree")
+        StepEvent(i, 20 + i, 5, tree, [0, 1, 3], 7, logits[i], {"draft": 1.0, "tree": 0.1, "verify": 2.0},
+                  6, "ddtree", found.get(i))
         for i in range(12)
     ]  # fmt: skip
     # max_deferred = 0 reduces every step on the decoding thread; 2 mixes both paths.
@@ -429,12 +433,35 @@ def test_two_stage_topk_equals_the_full_topk(vocab):
     # runners-up are chunk maxima too, so the pre-selection must pick exactly the right chunks.
     logits[1, 3 * CHUNK : 3 * CHUNK + 12] = torch.arange(12.0) + 10
     logits[2, torch.arange(16) * (vocab // 16)] = torch.linspace(20, 5, 16)
-    ids, logprobs = _top(logits, 8)
+    ids, logprobs = _top(logits, 8, None)
     expected = logits.log_softmax(-1).topk(8, dim=-1)
     assert torch.equal(ids, expected.indices)
     assert torch.equal(logprobs, expected.values)
     raw = top_rows(logits, 8)  # what Token Recycling keeps: the same selection on raw logits
     assert torch.equal(raw[0], logits.topk(8, dim=-1).indices) and torch.equal(raw[1], logits.topk(8, dim=-1).values)
+    # Ids that greedy verification found (wider than k) give the same record without a second selection.
+    assert all(map(torch.equal, _top(logits, 8, top_rows(logits, 9)[0]), (ids, logprobs)))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_top_rows_first_column_tie_breaks_like_argmax(rows):
+    """Greedy verification takes column 0 for the target's choice: on equal maxima it must be the first index,
+    as the target's own greedy decoding (argmax) picks, or speculative output would differ from it."""
+    import torch
+
+    from trainer.sampling import CHUNK, top_rows
+
+    torch.manual_seed(rows)
+    for vocab in (8192, 1000):
+        # Coarse values tie often; every row also holds its maximum at the end of one chunk, at the start of a
+        # later one, and in more chunks than k.
+        logits = (torch.randn(rows, vocab) * 2).round()
+        logits[:, [CHUNK - 1, 5 * CHUNK, 9 * CHUNK + 3, *range(10 * CHUNK, vocab, 100)]] = 50.0
+        for k in (1, 8):
+            ids, values = top_rows(logits, k)
+            assert torch.equal(ids[:, 0], logits.argmax(-1))
+            assert torch.equal(values, logits.topk(k, dim=-1).values)
+            assert torch.equal(logits.gather(1, ids), values)
 
 
 # ---- trainer eval --logs --------------------------------------------------------------------------------------

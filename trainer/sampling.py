@@ -24,22 +24,37 @@ CHUNK = 64
 
 
 def top_rows(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top-k of every row: (indices, values), values descending. Shape: (R, V) → (R, k) each.
+    """The top-k of every row: (indices, values), values descending. Shape: (R, V) → (R, k) each. Column 0 is
+    the first index of the row's maximum, as ``argmax`` gives it: greedy verification takes it for the target's
+    choice, which must tie-break as the target's own greedy decoding does.
 
-    A full-width ``topk`` over a vocabulary costs more than a pass over it, so it runs in two stages: the maximum
-    of every chunk of ``CHUNK`` values (a contiguous reduction), then ``topk`` over the k chunks with the largest
-    maxima only. Exact: each of a row's k best values lies in a chunk whose maximum is at least that value, and at
-    most k - 1 other chunks can have a larger one."""
+    A full-width ``topk`` (or ``argmax``) over a vocabulary costs more than a pass over it, so it runs in two
+    stages: the maximum of every chunk of ``CHUNK`` values (a contiguous reduction), then ``topk`` over the k
+    chunks with the largest maxima only. Exact: each of a row's k best values lies in a chunk whose maximum is at
+    least that value, and at most k - 1 other chunks can have a larger one."""
     rows, vocab = values.shape
     # Below about 32k values the two stages' fixed costs exceed a full topk (measured: 4 rows of 8192 break even).
     if vocab % CHUNK or vocab // CHUNK < k or values.numel() < 4 * 8192:
+        if k == 1:
+            ids = values.argmax(-1, keepdim=True)
+            return ids, values.gather(-1, ids)
         top = values.topk(k, dim=-1)
+        top.indices[:, 0] = values.argmax(-1)
         return top.indices, top.values
     per_row = vocab // CHUNK
+    chunks = values.view(rows, per_row, CHUNK)
+    maxima = chunks.amax(-1)
     # Shape: (R, k) chunk indices, in no order (the second stage sorts; unsorted measured ~10% faster).
-    best = values.view(rows, per_row, CHUNK).amax(-1).topk(k, dim=-1, sorted=False).indices
+    best = maxima.topk(k, dim=-1, sorted=False).indices
     # Whole chunks are contiguous rows of this view: index_select copies them (cheaper than an element gather).
     chunk_rows = (best + torch.arange(rows, device=best.device)[:, None] * per_row).view(-1)
     candidates = values.reshape(-1, CHUNK).index_select(0, chunk_rows).view(rows, k * CHUNK)
     top = candidates.topk(k, dim=-1)
-    return best.gather(1, top.indices // CHUNK) * CHUNK + top.indices % CHUNK, top.values
+    ids = best.gather(1, top.indices // CHUNK) * CHUNK + top.indices % CHUNK
+    # Column 0 on ties: the first chunk holding the maximum, then the first position in it (argmax returns the
+    # first of equal values; over (R, V / CHUNK) and (R, CHUNK) it is cheap).
+    high = top.values[:, :1]
+    first = (maxima == high).to(torch.uint8).argmax(-1)
+    within = (chunks[torch.arange(rows, device=first.device), first] == high).to(torch.uint8).argmax(-1)
+    ids[:, 0] = first * CHUNK + within
+    return ids, top.values

@@ -54,11 +54,13 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from trainer.masks import additive_mask
+from trainer.sampling import top_rows
 from trainer.spec.drafting import BlockDraftSession, DraftSession, GraftSession, RecyclingSession, draft_blocks
 from trainer.spec.engine import BUILDERS, DEFAULT_OPTIONS, Clock, Step, StepEvent, _cache_kwarg, make_session
 from trainer.spec.options import TreeOptions
 from trainer.spec.verify import GREEDY, Sampling, accept, committed
 from trainer.target import capture_layers, layer_features
+from trainer.vlog.schema import MIN_TOPK
 
 
 @dataclass(eq=False)
@@ -487,8 +489,15 @@ class BatchEngine:
                     **{self.cache_kw: self.cache.cache},
                 )
             logits = out.logits.float()
+            # A row's top-k ids when its step is logged and greedy: its choice is their first column.
+            top_ids = [
+                top_rows(logits[b, : tree.tokens.numel()], MIN_TOPK)[0]
+                if self.on_step is not None and r.sampling.greedy
+                else None
+                for b, (r, tree) in enumerate(zip(rows, trees, strict=True))
+            ]
             results = [
-                accept(tree, logits[b, : tree.tokens.numel()], r.sampling, r.generator)
+                accept(tree, logits[b, : tree.tokens.numel()], r.sampling, r.generator, top_ids[b])
                 for b, (r, tree) in enumerate(zip(rows, trees, strict=True))
             ]
         with clock("commit"):
@@ -546,7 +555,9 @@ class BatchEngine:
             logits_b = logits[b, : tree.tokens.numel()]
             root = int(tree.tokens[0])
             step = len(request.steps) - 1
-            event = StepEvent(step, pos, root, tree, result.path, result.bonus, logits_b, ms, budget, tree_name)
+            event = StepEvent(
+                step, pos, root, tree, result.path, result.bonus, logits_b, ms, budget, tree_name, top_ids[b]
+            )
             events.append(RowStep(request, event, new))
             # The step is reported before the request can finish, so a request's records precede its end.
             if self.on_step is not None:

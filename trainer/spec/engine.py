@@ -32,6 +32,7 @@ from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.specblock import SpecBlockDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
+from trainer.sampling import top_rows
 from trainer.spec.drafting import (
     BlockDraftSession,
     DraftSession,
@@ -67,6 +68,7 @@ from trainer.spec.verify import (
     tree_attention_mask,
 )
 from trainer.target import capture_layers, layer_features
+from trainer.vlog.schema import MIN_TOPK
 
 DEFAULT_OPTIONS = TreeOptions()
 
@@ -476,6 +478,9 @@ class StepEvent:
     ms: dict[str, float]
     budget: int
     builder: str
+    # Shape: (N + 1, MIN_TOPK): ``top_rows`` of ``logits``, when greedy verification found them (its choice is
+    # their first column); None otherwise. Saves the hook that logs the top-k a second pass over the logits.
+    top_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -561,7 +566,8 @@ def generate(
                     **{cache_kw: cache},
                 )
             logits = out.logits[0].float()
-            result = accept(tree, logits, sampling, generator)
+            top_ids = top_rows(logits, MIN_TOPK)[0] if on_step is not None and sampling.greedy else None
+            result = accept(tree, logits, sampling, generator, top_ids)
         with clock("commit"):
             new = committed(tree, result, remaining, stops)
             # The root and the accepted drafts that were committed: len(new) positions enter the context.
@@ -577,7 +583,7 @@ def generate(
                 on_step(
                     StepEvent(
                         len(generation.steps), past_len, root, tree, result.path, result.bonus, logits, ms, budget,
-                        builder.name,
+                        builder.name, top_ids,
                     )
                 )  # fmt: skip
         past_len += len(path)

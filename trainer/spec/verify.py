@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from trainer.masks import additive_mask
-from trainer.sampling import nucleus
+from trainer.sampling import nucleus, top_rows
 from trainer.spec.tree import Tree
 
 
@@ -85,16 +85,24 @@ class Acceptance:
 
 
 def accept(
-    tree: Tree, logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None
+    tree: Tree,
+    logits: torch.Tensor,
+    sampling: Sampling,
+    generator: torch.Generator | None = None,
+    top_ids: torch.Tensor | None = None,
 ) -> Acceptance:
     """Walk the tree along the target's own choices. ``logits`` Shape: (N + 1, V), row ``i`` = after node ``i``.
+    ``top_ids`` (N + 1, k), when the caller has them: ``top_rows`` of ``logits``, whose first column is the
+    greedy choice.
 
     Only the rows on the walk are looked at, so sampling draws exactly one token per committed position,
     like plain sampling does.
     """
     children = tree.children()
-    # Greedy choices do not consume randomness: one argmax over all rows costs less than one per row.
-    argmax = logits.argmax(-1).tolist() if sampling.greedy else None
+    # Greedy choices do not consume randomness: one pass over all rows costs less than one per row.
+    argmax = None
+    if sampling.greedy:
+        argmax = (top_rows(logits, 1)[0] if top_ids is None else top_ids)[:, 0].tolist()
     node, path = 0, [0]
     while True:
         token = argmax[node] if argmax is not None else sampling.next_token(logits[node], generator)

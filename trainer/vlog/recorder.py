@@ -43,10 +43,15 @@ def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, -1, out=out[: logits.numel()].view(logits.shape))
 
 
-def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k ids and their log-probs per row. Shapes: (N + 1, V) -> (N + 1, k) each. The log-softmax is one
-    fused pass (cheaper than a separate logsumexp); ``top_rows`` then selects without a full-width ``topk``."""
-    return top_rows(_log_softmax(logits), k)
+def _top(logits: torch.Tensor, k: int, top_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids and their log-probs per row. Shapes: (N + 1, V) -> (N + 1, k) each. ``top_ids`` (N + 1, >= k):
+    the ids when verification found them already, else ``top_rows`` selects them (without a full-width
+    ``topk``). The log-softmax is one fused pass (cheaper than a separate logsumexp)."""
+    logprobs = _log_softmax(logits)
+    if top_ids is None:
+        return top_rows(logprobs, k)
+    ids = top_ids[:, :k].contiguous()
+    return ids, logprobs.gather(1, ids)
 
 
 class StepRecorder:
@@ -70,17 +75,18 @@ class StepRecorder:
 
     def __call__(self, event: StepEvent) -> None:
         logits = event.logits
+        top_ids = event.top_ids if event.top_ids is not None and event.top_ids.shape[1] >= self.k else None
         if logits.device.type == "cpu" and self.writer.deferred.acquire(blocking=False):
 
             def record() -> dict:
                 try:
-                    return self._record(event, *_top(logits, self.k))
+                    return self._record(event, *_top(logits, self.k, top_ids))
                 finally:
                     self.writer.deferred.release()
 
             self.writer.write(record)
         else:
-            top = _top(logits, self.k)
+            top = _top(logits, self.k, top_ids)
             self.writer.write(lambda: self._record(event, *top))
 
     def _record(self, event: StepEvent, ids: torch.Tensor, logprobs: torch.Tensor) -> dict:
