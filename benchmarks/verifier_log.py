@@ -6,9 +6,10 @@
    Reported side by side: the hook's time on the decoding thread (the engine's ``log`` phase), the paired
    difference of whole steps in wall time (which also holds what the writer thread costs the decoding thread:
    GIL, CPU), the paired difference in process CPU time with the writer thread's work included (the cost
-   when no core is spare), and the logging CPU counted directly (the hook's thread CPU time plus the writer
-   thread's), which does not carry the other runs' noise but misses indirect costs (caches) that the paired
-   difference holds. Paired shares come with their quartiles over pairs: on a loaded machine their spread is
+   when no core is spare), and the logging CPU counted directly (the hook's thread CPU time, the writer
+   thread's, and what greedy verification's top-k at the log's width costs over the top-1 it needs itself),
+   which does not carry the other runs' noise but misses indirect costs (caches) that the paired difference
+   holds. Paired shares come with their quartiles over pairs: on a loaded machine their spread is
    wider than the effect, so repeat the run (``--repeats``) before reading a median.
 2. Writer: step records of ``budget`` draft nodes (k = 8) written until ``close`` returns: records/s (wall
    and per CPU-second), MB/s.
@@ -23,6 +24,7 @@ Ratios, not absolute times, are the result (the machine is shared). On CPU::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -34,11 +36,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from trainer.sampling import top_rows
 from trainer.spec.drafting import load_drafter
 from trainer.spec.engine import BUILDERS, StepEvent, generate, make_session
 from trainer.vlog.reader import LogReader
 from trainer.vlog.recorder import StepRecorder
-from trainer.vlog.schema import step_record
+from trainer.vlog.schema import MIN_TOPK, step_record
 from trainer.vlog.writer import LogWriter
 
 
@@ -54,6 +57,7 @@ def load(args: argparse.Namespace) -> tuple:
 def overhead(args: argparse.Namespace, models: tuple, budget: int, log_dir: Path) -> dict:
     target, drafter, prompts = models
     builder = BUILDERS["ddtree"]
+    vocab = target.config.vocab_size
     plain_ms, logged_ms, hook_ms, plain_cpu, logged_cpu, direct_cpu = [], [], [], [], [], []
     writer = LogWriter(log_dir, f"bench{budget}", vocab_size=target.config.vocab_size, max_deferred=args.max_deferred)
     with writer:
@@ -93,6 +97,8 @@ def overhead(args: argparse.Namespace, models: tuple, budget: int, log_dir: Path
                 hook_ms.append(1000 * sum(s.seconds.get("log", 0.0) for s in logged.steps) / steps)
                 plain_cpu.append(1000 * plain_s / steps)
                 logged_cpu.append(1000 * logged_s / steps)
+                # Timed apart, after the pair: what verification spent on the log's top-k width.
+                logging_s += sum(topk_increment(s.tree_size + 1, vocab) for s in logged.steps)
                 direct_cpu.append(1000 * logging_s / steps)
     plain = statistics.median(plain_ms)
     hook = statistics.median(hook_ms)
@@ -108,6 +114,22 @@ def overhead(args: argparse.Namespace, models: tuple, budget: int, log_dir: Path
         "direct_cpu": statistics.median(direct_cpu),
         "direct_share": statistics.median(d / p for d, p in zip(direct_cpu, plain_cpu, strict=True)),
     }
+
+
+@functools.cache
+def topk_increment(rows: int, vocab: int) -> float:
+    """CPU seconds that greedy verification spends for the log on (rows, vocab) logits: its top-k at the log's
+    width (``StepEvent.top_ids``) against the top-1 it needs itself; timed warm, apart from the measured steps."""
+    logits = torch.randn(rows, vocab)
+    seconds = {}
+    for k in (1, MIN_TOPK):
+        times = []
+        for _ in range(200):
+            start = time.thread_time()
+            top_rows(logits, k)
+            times.append(time.thread_time() - start)
+        seconds[k] = statistics.median(times)
+    return max(seconds[MIN_TOPK] - seconds[1], 0.0)
 
 
 def paired(plain: list[float], logged: list[float]) -> tuple[float, float, float]:

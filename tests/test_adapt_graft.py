@@ -268,6 +268,27 @@ def test_state_round_trip_is_exact():
     assert torch.equal(copy.score, table.score) and torch.equal(copy.slot, table.slot)
 
 
+@pytest.mark.parametrize("dense", [True, False])
+def test_replica_cap_scales_each_server_rows_batch_total(monkeypatch, dense):
+    """Known answer: each (server, row)'s batch total is scaled to the cap, floor(w * cap / total) per weight;
+    groups under the cap, and the same row from another server, keep their weights. Both ways of grouping
+    (a dense count per key, and sorting when the key space is large) give it."""
+    from trainer.adapt.graft import Evidence, cap_per_replica
+
+    if not dense:
+        monkeypatch.setattr(graft_module, "_DENSE_KEYS", 1)
+    rows = torch.tensor([7, 7, 7, 3, 7])
+    server = torch.tensor([0, 0, 0, 0, 1])
+    weights = torch.tensor([[600, 300], [500, 0], [999, 1], [900, 900], [1000, 999]])
+    # Server 0, row 7: total 2400 > 1000 -> w * 1000 // 2400; server 0, row 3: 1800 -> w * 1000 // 1800;
+    # server 1, row 7: 1999 -> w * 1000 // 1999 (rounded down: 1000 * 1000 // 1999 = 500, 999000 // 1999 = 499).
+    expected = torch.tensor([[250, 125], [208, 0], [416, 0], [500, 500], [500, 499]])
+    capped = cap_per_replica(Evidence(rows, torch.zeros_like(weights), weights, server), 16, 1000)
+    assert torch.equal(capped, expected)
+    assert torch.equal(cap_per_replica(Evidence(rows, torch.zeros_like(weights), weights, server), 16, 2400)[:3],
+                       weights[:3])  # fmt: skip
+
+
 # ---------------------------------------------------------------- the daemon
 
 V = 512

@@ -197,20 +197,32 @@ def concat(parts: list[Evidence]) -> Evidence:
     )
 
 
+# Largest (server, row) key space that ``cap_per_replica`` counts in a dense table (8 MB of float64); beyond it,
+# it groups by sorting.
+_DENSE_KEYS = 1 << 20
+
+
 def cap_per_replica(evidence: Evidence, vocab_size: int, cap: int) -> torch.Tensor:
-    """Weights with each (server, row)'s batch total scaled down to at most ``cap`` (integer arithmetic)."""
+    """Weights with each (server, row)'s batch total scaled down to at most ``cap``: ``floor(w · cap / total)``."""
     if evidence.nodes == 0:
         return evidence.weights
-    key = evidence.server * vocab_size + evidence.rows
-    groups, inverse = torch.unique(key, return_inverse=True)
-    total = torch.zeros(groups.numel(), dtype=torch.int64).index_add_(0, inverse, evidence.weights.sum(1))
-    over = (total > cap)[inverse].nonzero().squeeze(1)
-    if not over.numel():
+    key = (evidence.server * vocab_size + evidence.rows).numpy()
+    node_total = evidence.weights.sum(1).numpy()
+    keys = (int(key.max()) // vocab_size + 1) * vocab_size
+    if keys <= _DENSE_KEYS:
+        # A dense sum per key costs less than sorting the nodes; float64 sums of these integers are exact.
+        total = np.bincount(key, weights=node_total, minlength=keys)[key]
+    else:
+        groups, inverse = np.unique(key, return_inverse=True)
+        total = np.bincount(inverse, weights=node_total, minlength=groups.size)[inverse]
+    if not (total > cap).any():
         return evidence.weights
-    # Only the nodes of capped groups change (usually a few): scale those rows alone.
-    weights = evidence.weights.clone()
-    weights[over] = weights[over] * cap // total[inverse[over]][:, None]
-    return weights
+    # Whole rows in float64, uncapped ones divided by ``cap`` (which gives w back): int64 division, row gathers
+    # and a select cost several times more. Exact: w · cap and total are integers below 2**40 (a weight is at
+    # most SCALE, a batch holds at most millions of them), so a quotient that is not an integer lies at least
+    # 1/total from one, far more than float64 rounding moves it, and one that is comes out exact.
+    divisor = torch.from_numpy(np.maximum(total, cap))[:, None]
+    return evidence.weights.double().mul_(cap).div_(divisor).floor_().long()
 
 
 @dataclass
