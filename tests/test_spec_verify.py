@@ -102,6 +102,22 @@ def test_sampled_acceptance_follows_the_target_distribution():
     assert chi2_pvalue(second_after_1, probs[2]) < 1e-6
 
 
+def test_draw_follows_the_probabilities_and_never_draws_a_zero(monkeypatch):
+    from trainer.sampling import draw
+
+    probs = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.stack([draw(probs, gen) for _ in range(6000)]), minlength=6)
+    assert counts[[0, 2, 5]].sum() == 0
+    assert chi2_pvalue(counts[[1, 3, 4]], probs[[1, 3, 4]]) > 1e-3
+    # Unnormalised weights draw the same; the same seed draws the same sequence.
+    first, second = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    assert [int(draw(probs * 7, first)) for _ in range(50)] == [int(draw(probs, second)) for _ in range(50)]
+    # A uniform draw that rounds up to the total takes the last positive probability, not the zero after it.
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, dtype=torch.float64))
+    assert int(draw(probs)) == 4
+
+
 def test_warping_top_k_top_p():
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
     p = Sampling(temperature=1.0, top_k=2).probs(logits)

@@ -70,7 +70,7 @@ from trainer.data.prepare import load_tokenizer
 from trainer.data.render import turn_end_marker
 from trainer.data.sources import LoadReport, load_chat, load_text
 from trainer.errors import UserError
-from trainer.sampling import nucleus
+from trainer.sampling import draw, nucleus
 from trainer.target import load_causal_lm
 
 
@@ -129,9 +129,7 @@ class SeededSampler(LogitsProcessor):
         if self.generators is None:
             self.generators = [torch.Generator(device=scores.device).manual_seed(s) for s in self.seeds]
         probs = nucleus(torch.softmax(scores.float() / self.temperature, dim=-1), self.top_p)
-        chosen = torch.stack(
-            [torch.multinomial(p, 1, generator=g)[0] for p, g in zip(probs, self.generators, strict=True)]
-        )
+        chosen = torch.stack([draw(p, g) for p, g in zip(probs, self.generators, strict=True)])
         out = torch.full_like(scores, float("-inf"))
         return out.scatter(-1, chosen[:, None], 0.0)
 

@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from trainer.masks import additive_mask
-from trainer.sampling import nucleus, top_rows
+from trainer.sampling import draw, nucleus, top_rows
 from trainer.spec.tree import Tree
 
 
@@ -54,7 +54,7 @@ class Sampling:
         """One token from one row of logits. Shape: (V,)"""
         if self.greedy:
             return int(logits.argmax())
-        return int(torch.multinomial(self.probs(logits), 1, generator=generator))
+        return int(draw(self.probs(logits), generator))
 
 
 GREEDY = Sampling()
