@@ -6,7 +6,9 @@ configurations take turns, ``--rounds`` times, ``--seconds`` each, so machine no
 Clients send held-out stdlib prompts with lossless sampling at ``--temperature`` (the tiny target loops under
 greedy decoding, which would flatter copying drafters) and count completion tokens. A warm-up turn per
 configuration and concurrency lets the controller measure its arms first; each round starts one configuration
-later than the one before (identical plain engines taking turns in process measured 0.95-1.07x each other).
+later than the one before (identical plain engines taking turns in process measured 0.95-1.07x each other), and
+a second plain server ("plain again", ``--no-control`` leaves it out) shows how far two identical servers differ
+in the same run.
 
     python benchmarks/serve.py [--seconds 20] [--rounds 2] [--configs none:0,recycling:16,ddtree:16,auto:0]
 """
@@ -60,13 +62,18 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompts", type=Path, default=project_path("data/prompts/stdlib_heldout.jsonl"))
+    control = "a second plain server taking turns like the others: its ratio is the benchmark's own noise"
+    p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True, help=control)
     args = p.parse_args()
     configs = [(c.split(":")[0], int(c.split(":")[1])) for c in args.configs.split(",")]
     if configs[0][0] != "none":
         raise SystemExit("the first configuration must be plain decoding (none:0): ratios are to it")
+    if args.control:
+        configs.append(configs[0])
     prompts = [json.loads(line)["prompt"][-400:] for line in args.prompts.read_text().splitlines() if line.strip()]
-    servers = {c: ServerProcess(["--tree", c[0], "--budget", str(c[1])]) for c in configs}
-    rates: dict[tuple[int, tuple[str, int]], list[float]] = {}
+    # Keyed by position: the control is a second server of the first configuration.
+    servers = {i: ServerProcess(["--tree", c[0], "--budget", str(c[1])]) for i, c in enumerate(configs)}
+    rates: dict[tuple[int, int], list[float]] = {}
     try:
         for concurrency in CONCURRENCY:
             for server in servers.values():
@@ -82,14 +89,16 @@ def main() -> None:
         for server in servers.values():
             server.stop()
     names = [f"{t}@{b}" if t != "auto" else "controller" for t, b in configs]
+    if args.control:
+        names[-1] = "plain again"
     print(f"tokens/s as ratio to plain decoding (T={args.temperature}, {args.rounds} x {args.seconds:.0f} s);")
     print("in brackets the lowest and highest ratio of one round's turns")
     print(f"{'concurrency':>11} {'plain tok/s':>11} " + " ".join(f"{n:>18}" for n in names[1:]))
     for concurrency in CONCURRENCY:
-        plain_rates = rates[concurrency, configs[0]]
+        plain_rates = rates[concurrency, 0]
         plain = sum(plain_rates) / len(plain_rates)
         cells = []
-        for c in configs[1:]:
+        for c in range(1, len(configs)):
             rounds = [rate / base for rate, base in zip(rates[concurrency, c], plain_rates, strict=True)]
             mean = sum(rates[concurrency, c]) / len(rates[concurrency, c]) / plain
             cells.append(f"{mean:.2f}x [{min(rounds):.2f}-{max(rounds):.2f}]".rjust(18))

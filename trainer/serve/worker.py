@@ -80,8 +80,8 @@ class Worker:
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._last_reload = 0.0
-        engine.on_step = self._on_step
         if writer is not None:
+            engine.on_step = self._on_step
             # Request records carry the prompt's top-k: the graft daemon's evidence for prompt positions.
             engine.prefill_topk = MIN_TOPK
 
@@ -149,8 +149,6 @@ class Worker:
         )
 
     def _on_step(self, row: RowStep) -> None:
-        if self.writer is None:
-            return
         # Versions change between steps (hot reload), so each step gets its recorder.
         neural = row.event.builder == self.neural_tree
         drafter = self.drafter_name if neural else None

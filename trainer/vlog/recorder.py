@@ -1,7 +1,9 @@
 """The ``on_step`` hook that logs one request's verification steps, and its closing request record.
 
 On CPU the hook hands the step's logits (Shape: (N + 1, V)) to the writer thread, which takes the top-k
-log-probs of every verified node there (torch releases the GIL while it does). At most ``max_deferred``
+log-probs of every verified node there (torch releases the GIL while it does); under greedy verification the
+ids come with the step (``StepEvent.top_ids``, found with the target's choice) and the writer thread only adds the
+log-softmax. At most ``max_deferred``
 logits tensors per writer wait at a time (``LogWriter.deferred``); beyond that the hook reduces them itself,
 so a lagging writer costs bounded memory. On an accelerator the hook reduces them where they are (cheap,
 asynchronous) and only the (N + 1, k) results travel. List conversion, record assembly, validation and JSON
