@@ -457,11 +457,13 @@ def test_top_rows_first_column_tie_breaks_like_argmax(rows):
         # later one, and in more chunks than k.
         logits = (torch.randn(rows, vocab) * 2).round()
         logits[:, [CHUNK - 1, 5 * CHUNK, 9 * CHUNK + 3, *range(10 * CHUNK, vocab, 100)]] = 50.0
-        for k in (1, 8):
+        for k in (1, 8, 40):
             ids, values = top_rows(logits, k)
             assert torch.equal(ids[:, 0], logits.argmax(-1))
             assert torch.equal(values, logits.topk(k, dim=-1).values)
             assert torch.equal(logits.gather(1, ids), values)
+            # No id twice in a row: the first maximum is moved to column 0, not copied over another id.
+            assert all(len(set(row)) == k for row in ids.tolist())
 
 
 # ---- trainer eval --logs --------------------------------------------------------------------------------------

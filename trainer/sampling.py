@@ -50,11 +50,18 @@ def top_rows(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
             ids = values.argmax(-1, keepdim=True)
             return ids, values.gather(-1, ids)
         top = values.topk(k, dim=-1)
-        top.indices[:, 0] = values.argmax(-1)
-        return top.indices, top.values
+        return _first_max_first(top.indices, values.argmax(-1)), top.values
     per_row = vocab // CHUNK
     chunks = values.view(rows, per_row, CHUNK)
     maxima = chunks.amax(-1)
+    # The first index of the maximum: the first chunk holding it, then the first position there (argmax returns
+    # the first of equal values; over (R, V / CHUNK) and (R, CHUNK) it is cheap).
+    high = maxima.amax(-1, keepdim=True)
+    first_chunk = (maxima == high).to(torch.uint8).argmax(-1)
+    within = (chunks[torch.arange(rows, device=high.device), first_chunk] == high).to(torch.uint8).argmax(-1)
+    first = first_chunk * CHUNK + within
+    if k == 1:
+        return first[:, None], high
     # Shape: (R, k) chunk indices, in no order (the second stage sorts; unsorted measured ~10% faster).
     best = maxima.topk(k, dim=-1, sorted=False).indices
     # Whole chunks are contiguous rows of this view: index_select copies them (cheaper than an element gather).
@@ -62,10 +69,16 @@ def top_rows(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     candidates = values.reshape(-1, CHUNK).index_select(0, chunk_rows).view(rows, k * CHUNK)
     top = candidates.topk(k, dim=-1)
     ids = best.gather(1, top.indices // CHUNK) * CHUNK + top.indices % CHUNK
-    # Column 0 on ties: the first chunk holding the maximum, then the first position in it (argmax returns the
-    # first of equal values; over (R, V / CHUNK) and (R, CHUNK) it is cheap).
-    high = top.values[:, :1]
-    first = (maxima == high).to(torch.uint8).argmax(-1)
-    within = (chunks[torch.arange(rows, device=first.device), first] == high).to(torch.uint8).argmax(-1)
-    ids[:, 0] = first * CHUNK + within
-    return ids, top.values
+    return _first_max_first(ids, first), top.values
+
+
+def _first_max_first(ids: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """``ids`` (R, k), a top-k whose column 0 holds some index of the row maximum, with ``first`` (R,), the first
+    such index, in column 0: swapped there from its column when the top-k holds it (tied values, so the values
+    keep their order and no id repeats), else written over column 0 (more ties than k: both are maxima)."""
+    match = ids == first[:, None]
+    column = match.to(torch.uint8).argmax(-1)
+    rows = torch.arange(ids.shape[0], device=ids.device)
+    ids[rows, column] = torch.where(match.any(-1), ids[:, 0], ids[rows, column])
+    ids[:, 0] = first
+    return ids
