@@ -218,9 +218,9 @@ def cap_per_replica(evidence: Evidence, vocab_size: int, cap: int) -> torch.Tens
     if not (total > cap).any():
         return evidence.weights
     # Whole rows in float64, uncapped ones divided by ``cap`` (which gives w back): int64 division, row gathers
-    # and a select cost several times more. Exact: w · cap and total are integers below 2**40 (a weight is at
-    # most SCALE, a batch holds at most millions of them), so a quotient that is not an integer lies at least
-    # 1/total from one, far more than float64 rounding moves it, and one that is comes out exact.
+    # and a select cost several times more. Exact while total < 2**43 (a batch holds at most millions of weights
+    # of at most SCALE): w · cap < w · total < 2**53 is exact, the quotient is at most w <= SCALE = 2**10, so
+    # rounding moves it by at most 2**-43 < 1/total, the least distance from a non-integer quotient to an integer.
     divisor = torch.from_numpy(np.maximum(total, cap))[:, None]
     return evidence.weights.double().mul_(cap).div_(divisor).floor_().long()
 
