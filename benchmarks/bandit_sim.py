@@ -60,6 +60,11 @@ def prompt_stream(
     before = [tokenizer(r["prompt"])["input_ids"][-prompt_tokens:] for r in rows[:n_before]]
     ids = [tok for path in SHIFTS[shift]() for tok in tokenizer(path.read_text())["input_ids"]]
     n = n_after + n_heldout
+    if n * prompt_tokens > len(ids):
+        raise SystemExit(
+            f"the {shift} text holds {len(ids)} tokens: {len(ids) // prompt_tokens} windows of {prompt_tokens} "
+            f"tokens that do not overlap, fewer than --after + --heldout = {n}; ask for fewer or shorter prompts"
+        )
     stride = max(prompt_tokens, (len(ids) - prompt_tokens) // max(n, 1))
     windows = [ids[i : i + prompt_tokens] for i in range(0, stride * n, stride)][:n]
     every = max(1, n // max(n_heldout, 1))
