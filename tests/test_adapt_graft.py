@@ -587,19 +587,34 @@ def test_sigkill_then_restart_publishes_the_uninterrupted_matrix(tmp_path, targe
     check(pub)
 
 
-def test_decode_workers_publish_what_in_process_decoding_publishes(tmp_path, target):
-    """Full batches go to worker processes, short ones are decoded in the daemon: the published matrices, the
-    quarantine and the counters are those of a daemon that decodes everything itself."""
+@pytest.mark.parametrize("steal", [False, True])
+def test_decode_workers_publish_what_in_process_decoding_publishes(tmp_path, target, monkeypatch, steal):
+    """Full batches go to worker processes, short ones are decoded in the daemon, and so are full ones the daemon
+    takes over after waiting on a worker (``steal``: from the first batch on; else never): the
+    published matrices, the quarantine and the counters are those of a daemon that decodes everything itself."""
+    # Batches decoded in the daemon's own process (at most one short batch, unless it takes full ones over).
+    here: list[int] = []
+
+    class Counting(Decoding):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            decode = self.decode
+            self.decode = lambda lines: here.append(len(lines)) or decode(lines)
+
+    monkeypatch.setattr(graft_module, "Decoding", Counting)
+    monkeypatch.setattr(graft_module, "_STEAL_WAIT", 0.0 if steal else math.inf)
     logs = tmp_path / "logs"
     make_logs(logs, segments=2)
     config = GraftConfig(batch_records=16, rows=400, tenant_rows=40)
     results = []
     for workers in (0, 2):
         pub = tmp_path / f"workers{workers}"
+        here.clear()
         run_graft(logs, pub, target, once=True, config=config, commit_seconds=0, decode_workers=workers)
         metrics = json.loads((pub / ".state" / METRICS).read_text())
         counts = {k: metrics[k] for k in ("lines", "records", "nodes", "quarantined", "rows_touched")}
         results.append((adjacencies(pub), (pub / ".state" / QUARANTINE).read_text(), counts))
+    assert (len(here) >= 2) if steal else (len(here) <= 1), here
     (m0, q0, c0), (m2, q2, c2) = results
     assert all(torch.equal(m0[t], m2[t]) for t in m0)
     assert q0 == q2 and q0.count("\n") == c0["quarantined"] == 4
