@@ -251,12 +251,18 @@ def test_a_large_batch_does_not_depend_on_evidence_order():
             assert torch.equal(other.state()[name], tensor), name
 
 
-def test_state_round_trip_is_exact():
+@pytest.mark.parametrize("tokens", [40, 12])
+def test_state_round_trip_is_exact(tokens):
+    """Restored from its state, a table applies the next batch exactly as the original; with ``tokens`` 12 of 20
+    slots stay free and the state holds only the held ones."""
     torch.manual_seed(1)
     table = CandidateTable(vocab_size=40, rows=20, candidates=4, half_life=5)
     for tick in range(1, 6):
-        table.add(torch.randint(0, 40, (50,)), torch.randint(0, 40, (50, 8)), torch.randint(0, SCALE, (50, 8)), tick)
-    copy = CandidateTable.from_state(table.state(), 40, 5, table.dropped)
+        rows = torch.randint(0, tokens, (50,))
+        table.add(rows, torch.randint(0, 40, (50, 8)), torch.randint(0, SCALE, (50, 8)), tick)
+    state = table.state()
+    assert state["row"].numel() == table.held() == min(tokens, 20)
+    copy = CandidateTable.from_state(state, 40, 5, table.dropped)
     for t in (table, copy):
         t.add(
             torch.arange(40),
