@@ -77,10 +77,14 @@ class ArmStats:
     rows: int = 0
     # Batch size → [EMA of step seconds, step counter when last measured, measurements].
     cost: dict[int, list[float]] = field(default_factory=dict)
+    # 1 + Σ reach, kept with it (read for every arm at every step).
+    tau: float = 1.0
 
-    @property
-    def tau(self) -> float:
-        return 1.0 + sum(self.reach)
+
+def _losses(rates: dict[tuple[str, int], float]) -> dict[tuple[str, int], float]:
+    """Per arm, the share of its step lost against the best of ``rates`` (tokens per second)."""
+    top = max(rates.values())
+    return {a: 1.0 - r / top if top > 0 else 0.0 for a, r in rates.items()}
 
 
 class Controller:
@@ -160,22 +164,21 @@ class Controller:
     def choose(self, batch_size: int, available: frozenset[str] | None = None) -> tuple[str, int]:
         """The arm of the next step at ``batch_size``, among the builders in ``available`` (None: all)."""
         self.steps += 1
-        arms = [a for a in self.arms if available is None or a[0] in available]
+        arms = self.arms if available is None else [a for a in self.arms if a[0] in available]
         self.load = batch_size if self.load is None else self.load + 0.05 * (batch_size - self.load)
-
-        def losses(among: list[tuple[str, int]], batch: int) -> dict[tuple[str, int], float]:
-            # Per arm, the share of its step that is lost against the best estimate among ``among``.
-            rates = {a: self.throughput(a, batch) for a in among}
-            top = max(rates.values())
-            return {a: 1.0 - rates[a] / top if top > 0 else 0.0 for a in among}
-
-        loss = losses(arms, batch_size)
+        # Each arm's estimated cost and throughput once per step (the step's Python is overhead on every step).
+        costs = {a: self.cost(a, batch_size) for a in arms}
+        rates = {a: 0.0 if c is None else batch_size * self.stats[a].tau / c for a, c in costs.items()}
+        loss = _losses(rates)
         # At the recent batch size and against every arm, for readiness: an arm that is best but not available
         # now is what readiness brings back. Usually the same figures as the step's (computed once then).
         typical = max(1, round(self.load))
-        self.losses = loss if typical == batch_size and len(arms) == len(self.arms) else losses(self.arms, typical)
+        if typical == batch_size and len(arms) == len(self.arms):
+            self.losses = loss
+        else:
+            self.losses = _losses({a: self.throughput(a, typical) for a in self.arms})
         best = min(arms, key=loss.__getitem__)
-        self.best_rate = self.throughput(best, batch_size)
+        self.best_rate = rates[best]
         untried = [
             a
             for a in arms
@@ -188,7 +191,7 @@ class Controller:
             # Only arms whose estimated loss fits in what is left of the probing budget: one probe of an
             # expensive arm must not overrun it many times over.
             left = self.probe_left()
-            affordable = [a for a in arms if (self.cost(a, batch_size) or 0.0) * loss[a] <= left]
+            affordable = [a for a in arms if (costs[a] or 0.0) * loss[a] <= left]
             stalest = lambda a: self.stats[a].cost.get(batch_size, [0.0, -1, 0])[1]  # noqa: E731
             self.last = min(affordable, key=stalest) if affordable else best
         self.probing = bool(untried) or loss[self.last] > 0.0
@@ -243,6 +246,9 @@ class Controller:
         log_cost = math.log(cell[0]) if cell[2] > 1 else 0.0
         cell[0] = math.exp(log_cost + max(self.cost_decay, 1 / cell[2]) * (math.log(max(seconds, 1e-9)) - log_cost))
         cell[1] = self.steps
+        if (tree, budget) == PLAIN:
+            # No draft node verified: plain decoding's τ is 1, nothing to learn per row.
+            return
         for row in rows:
             depth = int(row.event.tree.depths().max()) if row.event.tree.size else 0
             stats.reach += [0.0] * (depth - len(stats.reach))
@@ -251,6 +257,7 @@ class Controller:
             # A depth this tree did not reach counts as not reached: τ is what the arm's trees deliver.
             for d, reach in enumerate(stats.reach, 1):
                 stats.reach[d - 1] = reach + rate * (float(len(row.event.path) > d) - reach)
+        stats.tau = 1.0 + sum(stats.reach)
 
     def taus(self) -> dict[str, float]:
         """The τ estimate of every arm, keyed ``"tree@budget"`` (for /metrics)."""
