@@ -1,6 +1,7 @@
 """The cost-aware controller against a simulated server: step costs and acceptance of every arm are known
 to the test, not to the controller, which must end within a few percent of the best arm at each batch size."""
 
+import itertools
 import math
 import random
 
@@ -171,3 +172,48 @@ def test_a_probe_of_an_arm_far_behind_does_not_keep_drafting_state_learning():
     controller.observe("none", 0, 4, [RowStep(None, plain, [0])] * 4, 0.01)
     assert controller.choose(4) == ("recycling", 8)
     assert controller.probing and not controller.speculating()
+
+
+def _measure(controller, arm, seconds, accepted=1, batch=4):
+    tree = Tree.from_lists([0], [-1]) if arm[1] == 0 else chain(0, torch.arange(1, arm[1] + 1), arm[1])
+    event = StepEvent(0, 0, 0, tree, list(range(accepted + 1 if arm[1] else 1)), 0, torch.zeros(1), {}, *arm[::-1])
+    controller.observe(*arm, batch, [RowStep(None, event, [0] * len(event.path))] * batch, seconds)
+
+
+def test_probes_take_turns_and_an_expensive_arm_is_not_starved_by_cheap_ones():
+    # Plain 400 tokens/s; recycling 4 x 2 / 0.022 = 364 (a probe loses 0.002 s); ddtree 4 x 2 / 0.08 = 100 (a
+    # probe loses 0.06 s). A probe of whatever fits would spend the refilling budget on recycling forever.
+    controller = Controller([("none", 0), ("recycling", 8), ("ddtree", 8)], probe_share=0.01, probe_grace=0.0)
+    arms = {("none", 0): 0.01, ("recycling", 8): 0.022, ("ddtree", 8): 0.08}
+    for _ in range(controller.min_samples):
+        for arm, seconds in arms.items():
+            _measure(controller, arm, seconds)
+    chosen = []
+    for _ in range(3000):
+        arm = controller.choose(4)
+        chosen.append(arm)
+        _measure(controller, arm, arms[arm])
+    probes = [a for a in chosen if a != ("none", 0)]
+    # In turn: every recycling probe after the first waits for a ddtree probe in between, and the other way round.
+    assert probes.count(("ddtree", 8)) >= 2
+    assert all(a != b for a, b in itertools.pairwise(probes))
+    # Within the budget: 1% of 30 s of plain steps is 0.3 s, a few ddtree probes.
+    assert probes.count(("ddtree", 8)) <= 6
+
+
+def test_a_due_drafter_is_probed_at_once_when_every_row_carries_its_sessions():
+    controller = Controller([("none", 0), ("ddtree", 4), ("ddtree", 8)], probe_share=0.0, probe_grace=0.0, refresh=1.0)
+    for _ in range(controller.min_samples):
+        for arm in controller.arms:
+            _measure(controller, arm, 0.05 if arm[1] else 0.01)
+    while not controller.due("ddtree"):
+        assert controller.choose(4, frozenset({"none"})) == ("none", 0)
+        _measure(controller, ("none", 0), 0.01)
+    assert controller.ready("ddtree")
+    # No budget at all, yet every row now holds the sessions: the builder's stalest arm goes now.
+    first = controller.choose(4, frozenset({"none", "ddtree"}))
+    assert first[0] == "ddtree" and controller.probing
+    _measure(controller, first, 0.05)
+    # One arm measured refreshes the builder: no more sessions for new requests, and plain decoding again.
+    assert not controller.due("ddtree") and not controller.ready("ddtree")
+    assert controller.choose(4, frozenset({"none", "ddtree"})) == ("none", 0)

@@ -27,18 +27,23 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
 - probing: while the throughput lost to steps that were not the best estimate stays under ``probe_share`` of
   recent step time (both sums exponentially weighted, half-life ``probe_half_life`` seconds of step time, so a
   budget left unspent at one load is not spent all at once at another), plus ``probe_grace`` seconds that fade
-  with the same half-life (so that a fresh server can look around), a step goes to the arm
-  whose figure at this batch size is oldest among those whose estimated loss fits in what is left of that
-  budget, so that acceptance that grows (the recycling adjacency learns) or costs that move are noticed; every
-  other step takes the best estimate. Whether a probe fits is judged by its estimated loss, ``seconds ·
-  (1 - throughput(a) / throughput(best))``; what it is charged is what it realised: its seconds less those the
-  best estimate would have needed for the tokens it committed. The budget is 0.5%: at four or eight requests
-  on a CPU every drafting arm is 25-60% behind plain decoding, so each probe step costs about a third of a
-  step, and 1% made the controller lose 2-3% to plain decoding in process;
+  with the same half-life (so that a fresh server can look around), a step goes to the arm whose figure at
+  this batch size is oldest (among the available arms and those being made ready) once its estimated loss fits
+  in what is left of that budget, so that acceptance that grows (the recycling adjacency learns) or costs that
+  move are noticed; every other step takes the best estimate. Arms are probed in turn, the budget saving up
+  for an expensive one: probing whatever fitted, cheap arms took the budget as it refilled, a neural arm never
+  fitted, and the drafter sessions made ready for its probe rode on every row meanwhile. Whether a probe fits
+  is judged by its estimated loss, ``seconds · (1 - throughput(a) / throughput(best))``; what it is charged is
+  what it realised: its seconds less those the best estimate would have needed for the tokens it committed.
+  The budget is 0.5%: at four or eight requests on a CPU every drafting arm is 25-60% behind plain decoding,
+  so each probe step costs about a third of a step, and 1% made the controller lose 2-3% to plain decoding in process;
 - readiness: a drafter's sessions capture target features every step, drafting or not, so a request admitted
   now gets the neural builder's session only while one of its arms is within ``ready_margin`` of the best
-  estimate, was never measured, or has gone ``refresh`` seconds of step time without a measurement (then the
-  rows admitted from now on can be probed once the batch holds only them). The controller chooses among the
+  estimate, was never measured, or the builder has gone ``refresh`` seconds of step time without a measurement
+  of any of its arms (then the rows admitted from now on carry its sessions, and once the batch holds only
+  them its stalest arm is probed at once, on credit against the probing budget: with sessions on every row a
+  step costs more, 3.5% at eight requests, so each arm of the builder going due on its own, each waiting for the
+  budget, kept them riding for most of the time). The controller chooses among the
   builders every row has the session of. Readiness (and whether recycling keeps learning) is judged at the
   recent batch size (weighted over ~20 steps), the size a request admitted now will mostly run at: judged at
   the momentary size, every dip after a request leaves (4 → 3 at four clients) made a drafter look near-best
@@ -103,6 +108,8 @@ class Controller:
         min_samples: int = 2,
     ) -> None:
         self.arms = list(arms)
+        # Builders whose sessions a request gets only while ``ready`` (a drafter's; not retrieval's).
+        self.neural = {tree for tree, _ in self.arms} - {PLAIN[0], "recycling"}
         self.stats = {arm: ArmStats() for arm in self.arms}
         self.probe_share = probe_share
         self.probe_grace = probe_grace
@@ -188,12 +195,21 @@ class Controller:
         if untried:
             self.last = untried[0]
         else:
-            # Only arms whose estimated loss fits in what is left of the probing budget: one probe of an
-            # expensive arm must not overrun it many times over.
-            left = self.probe_left()
-            affordable = [a for a in arms if (costs[a] or 0.0) * loss[a] <= left]
+            # The stalest arm, among the available ones and those a request admitted now is made ready for, is
+            # probed once its estimated loss fits in what is left of the budget; until then the best estimate
+            # runs and the budget saves up. Cheaper probes of fresher arms do not jump the queue: spending the
+            # budget as it refilled, they starved an expensive arm whose sessions every row carried meanwhile
+            # (at eight requests, drafter sessions on every row cost 3.5% of a plain step).
             stalest = lambda a: self.stats[a].cost.get(batch_size, [0.0, -1, 0])[1]  # noqa: E731
-            self.last = min(affordable, key=stalest) if affordable else best
+            # A due neural builder whose sessions every row now carries is probed at once, on credit: waiting
+            # for the budget would cost those sessions on every step meanwhile.
+            ridden = [a for a in arms if a[0] in self.neural and self.due(a[0])]
+            if ridden:
+                self.last = min(ridden, key=stalest)
+            else:
+                due = min((a for a in self.arms if a in costs or self.ready(a[0])), key=stalest)
+                fits = due in costs and (costs[due] or 0.0) * loss[due] <= self.probe_left()
+                self.last = due if fits else best
         self.probing = bool(untried) or loss[self.last] > 0.0
         self.keep_ready = any(self._near_best(a) for a in arms if a[0] != "none")
         return self.last
@@ -202,13 +218,15 @@ class Controller:
         """Never measured, or within ``ready_margin`` of the best estimate at the recent batch size."""
         return arm not in self.measured_at or self.losses.get(arm, 0.0) <= self.ready_margin
 
+    def due(self, tree: str) -> bool:
+        """``tree`` was measured before, but none of its arms for ``refresh`` seconds of step time."""
+        times = [self.measured_at[a] for a in self.arms if a[0] == tree and a in self.measured_at]
+        return bool(times) and self.seconds - max(times) >= self.refresh
+
     def ready(self, tree: str) -> bool:
-        """Whether a request admitted now gets ``tree``'s drafting session: one of its arms was never measured,
-        is within ``ready_margin`` of the best estimate at the recent batch size, or is due for a measurement
-        (``refresh`` seconds of step time since its last)."""
-        return any(
-            self._near_best(a) or self.seconds - self.measured_at[a] >= self.refresh for a in self.arms if a[0] == tree
-        )
+        """Whether a request admitted now gets ``tree``'s drafting session: one of its arms was never measured
+        or is within ``ready_margin`` of the best estimate at the recent batch size, or the builder is ``due``."""
+        return self.due(tree) or any(self._near_best(a) for a in self.arms if a[0] == tree)
 
     def probe_left(self) -> float:
         """Seconds of throughput that probing may still lose now (negative: overspent)."""
