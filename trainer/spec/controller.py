@@ -36,7 +36,11 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   is judged by its estimated loss, ``seconds · (1 - throughput(a) / throughput(best))``; what it is charged is
   what it realised: its seconds less those the best estimate would have needed for the tokens it committed.
   The budget is 0.5%: at four or eight requests on a CPU every drafting arm is 25-60% behind plain decoding,
-  so each probe step costs about a third of a step, and 1% made the controller lose 2-3% to plain decoding in process;
+  so each probe step costs about a third of a step, and 1% made the controller lose 2-3% to plain decoding in
+  process. The budget's share, and the rate at which a neural builder comes due (below), are scaled by what a
+  look is worth: ``ready_margin`` / the loss of the nearest other arm (of the builder's arms) when that is
+  further behind than the margin, so at eight requests on a CPU, recycling 25-30% behind and the drafter
+  50-65%, probing spends about a third of the budget and the drafter comes due every 2-3 minutes;
 - readiness: a drafter's sessions capture target features every step, drafting or not, so a request admitted
   now gets the neural builder's session only while one of its arms is within ``ready_margin`` of the best
   estimate, was never measured, or the builder has gone ``refresh`` seconds of step time without a measurement
@@ -66,6 +70,7 @@ them. On CPU::
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from trainer.spec.batch import RowStep
@@ -208,7 +213,8 @@ class Controller:
                 self.last = min(ridden, key=stalest)
             else:
                 due = min((a for a in self.arms if a in costs or self.ready(a[0])), key=stalest)
-                fits = due in costs and (costs[due] or 0.0) * loss[due] <= self.probe_left()
+                worth = self._worth(loss[a] for a in arms if a != best)
+                fits = due in costs and (costs[due] or 0.0) * loss[due] <= self.probe_left(worth)
                 self.last = due if fits else best
         self.probing = bool(untried) or loss[self.last] > 0.0
         self.keep_ready = any(self._near_best(a) for a in arms if a[0] != "none")
@@ -218,20 +224,32 @@ class Controller:
         """Never measured, or within ``ready_margin`` of the best estimate at the recent batch size."""
         return arm not in self.measured_at or self.losses.get(arm, 0.0) <= self.ready_margin
 
+    def _worth(self, losses: Iterable[float]) -> float:
+        """What looking at arms with these ``losses`` against the best estimate is worth, as a share of the probing
+        budget or of the refresh rate: 1 while the nearest is within ``ready_margin``, else ``ready_margin`` / its
+        loss (an arm a third behind needs a large change before it could win: it is looked at less often)."""
+        nearest = min(losses, default=0.0)
+        return 1.0 if nearest <= self.ready_margin else self.ready_margin / nearest
+
     def due(self, tree: str) -> bool:
-        """``tree`` was measured before, but none of its arms for ``refresh`` seconds of step time."""
+        """``tree`` was measured before, but none of its arms for ``refresh`` seconds of step time, divided by
+        what looking at them is worth at the recent batch size."""
         times = [self.measured_at[a] for a in self.arms if a[0] == tree and a in self.measured_at]
-        return bool(times) and self.seconds - max(times) >= self.refresh
+        if not times:
+            return False
+        worth = self._worth(self.losses.get(a, 0.0) for a in self.arms if a[0] == tree)
+        return self.seconds - max(times) >= self.refresh / worth
 
     def ready(self, tree: str) -> bool:
         """Whether a request admitted now gets ``tree``'s drafting session: one of its arms was never measured
         or is within ``ready_margin`` of the best estimate at the recent batch size, or the builder is ``due``."""
         return self.due(tree) or any(self._near_best(a) for a in self.arms if a[0] == tree)
 
-    def probe_left(self) -> float:
-        """Seconds of throughput that probing may still lose now (negative: overspent)."""
+    def probe_left(self, worth: float = 1.0) -> float:
+        """Seconds of throughput that probing may still lose now (negative: overspent), with the budget's share
+        scaled by ``worth``."""
         grace = self.probe_grace * 0.5 ** (self.seconds / self.probe_half_life)
-        return self.probe_share * self.recent_seconds + grace - self.probe_seconds
+        return worth * self.probe_share * self.recent_seconds + grace - self.probe_seconds
 
     def speculating(self) -> bool:
         """Whether a drafting arm is within ``ready_margin`` of the best estimate at the recent batch size, or was
