@@ -41,19 +41,18 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   look is worth: ``ready_margin`` / the loss of the nearest other arm (of the builder's arms) when that is
   further behind than the margin, so at eight requests on a CPU, recycling 25-30% behind and the drafter
   50-65%, probing spends about a third of the budget and the drafter comes due every 2-3 minutes;
-- readiness: a drafter's sessions capture target features every step, drafting or not, so a request admitted
-  now gets the neural builder's session only while one of its arms is within ``ready_margin`` of the best
-  estimate, was never measured, or the builder has gone ``refresh`` seconds of step time without a measurement
-  of any of its arms (then the rows admitted from now on carry its sessions, and once the batch holds only
-  them its stalest arm is probed at once, on credit against the probing budget: with sessions on every row a
-  step costs more, 3.5% at eight requests, so each arm of the builder going due on its own, each waiting for the
-  budget, kept them riding for most of the time). The controller chooses among the
-  builders every row has the session of. Readiness (and whether recycling keeps learning) is judged at the
-  recent batch size (weighted over ~20 steps), the size a request admitted now will mostly run at: judged at
-  the momentary size, every dip after a request leaves (4 → 3 at four clients) made a drafter look near-best
-  and gave the next request its sessions. The margin is 10%: being ready costs every admitted request a
-  drafter session or its prompt's logits (on the tiny target about a step per request), and at four requests
-  recycling measured 0.80-0.86x plain decoding, inside a 15% margin in some runs.
+- readiness: a drafter's sessions capture target features every step, drafting or not, so a request admitted now
+  gets the neural builder's session only while one of its arms is within ``ready_margin`` of the best estimate,
+  was never measured, or the builder has gone ``refresh`` seconds of step time without a measurement of any of its
+  arms (then the rows admitted from now on carry its sessions, and once the batch holds only them its stalest arm
+  is probed at once, on credit against the probing budget: with sessions on every row a step costs more, 3.5% at
+  eight requests, so each arm of the builder going due on its own, each waiting for the budget, kept them riding
+  for most of the time). The controller chooses among the builders every row has the session of. Readiness (and
+  whether recycling keeps learning) is judged at the recent batch size (weighted over ~20 steps), the size a
+  request admitted now will mostly run at: judged at the momentary size, every dip after a request leaves (4 → 3
+  at four clients) made a drafter look near-best and gave the next request its sessions. The margin is 10%: being
+  ready costs every admitted request a drafter session or its prompt's logits (on the tiny target about a step per
+  request), and at four requests recycling measured 0.80-0.86x plain decoding, inside a 15% margin in some runs.
 
 Probing is budgeted in lost throughput, not steps, because one probe of an expensive arm (a neural tree of 16
 nodes per row at batch 8) can cost as much as dozens of plain steps, while an arm within a few percent of the
@@ -168,9 +167,10 @@ class Controller:
         near = min(cells, key=lambda b: abs(b - batch_size))
         return cells[near][0] * batch_size / near
 
-    def throughput(self, arm: tuple[str, int], batch_size: int) -> float:
-        """Expected tokens per second of ``arm`` at ``batch_size`` (0 if never measured)."""
-        cost = self.cost(arm, batch_size)
+    def throughput(self, arm: tuple[str, int], batch_size: int, cost: float | None = None) -> float:
+        """Expected tokens per second of ``arm`` at ``batch_size`` (0 if never measured); ``cost``: its
+        ``cost(arm, batch_size)`` when the caller has it."""
+        cost = self.cost(arm, batch_size) if cost is None else cost
         return 0.0 if cost is None else batch_size * self.stats[arm].tau / cost
 
     def choose(self, batch_size: int, available: frozenset[str] | None = None) -> tuple[str, int]:
@@ -180,7 +180,7 @@ class Controller:
         self.load = batch_size if self.load is None else self.load + 0.05 * (batch_size - self.load)
         # Each arm's estimated cost and throughput once per step (the step's Python is overhead on every step).
         costs = {a: self.cost(a, batch_size) for a in arms}
-        rates = {a: 0.0 if c is None else batch_size * self.stats[a].tau / c for a, c in costs.items()}
+        rates = {a: self.throughput(a, batch_size, c) for a, c in costs.items()}
         loss = _losses(rates)
         # At the recent batch size and against every arm, for readiness: an arm that is best but not available
         # now is what readiness brings back. Usually the same figures as the step's (computed once then).
@@ -208,11 +208,15 @@ class Controller:
             stalest = lambda a: self.stats[a].cost.get(batch_size, [0.0, -1, 0])[1]  # noqa: E731
             # A due neural builder whose sessions every row now carries is probed at once, on credit: waiting
             # for the budget would cost those sessions on every step meanwhile.
-            ridden = [a for a in arms if a[0] in self.neural and self.due(a[0])]
+            due_trees = {tree for tree in self.neural if self.due(tree)}
+            ridden = [a for a in arms if a[0] in due_trees]
             if ridden:
                 self.last = min(ridden, key=stalest)
             else:
-                due = min((a for a in self.arms if a in costs or self.ready(a[0])), key=stalest)
+                # Builders some row lacks the sessions of, whose sessions requests admitted now get.
+                missing = {tree for tree, _ in self.arms} - {tree for tree, _ in arms}
+                ready = {tree for tree in missing if self.ready(tree)}
+                due = min((a for a in self.arms if a in costs or a[0] in ready), key=stalest)
                 worth = self._worth(loss[a] for a in arms if a != best)
                 fits = due in costs and (costs[due] or 0.0) * loss[due] <= self.probe_left(worth)
                 self.last = due if fits else best
