@@ -78,3 +78,34 @@ def test_shipped_target_loads_offline():
 def test_missing_target_is_a_clear_error(tmp_path):
     with pytest.raises(UserError, match="cannot load target"):
         Target.from_pretrained(str(tmp_path / "nope"), [0])
+
+
+def test_grouped_sdpa_verifies_a_tree_as_sdpa_does_without_copying_the_cache(tiny_qwen3, monkeypatch):
+    """A tree step on a cached prefix (several query tokens, an additive mask, 2 query heads per key/value head):
+    the same logits bit for bit as transformers' ``sdpa``, and the cache is never copied per query head."""
+    from transformers import DynamicCache
+    from transformers.integrations import sdpa_attention
+
+    from trainer.masks import additive_mask
+    from trainer.target import GROUPED_SDPA
+
+    copies = []
+    repeat_kv = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda h, n: copies.append(n) or repeat_kv(h, n))
+    prefix, tree = torch.randint(0, 97, (2, 9)), torch.randint(0, 97, (2, 4))
+    # Node 0 is the root; 1 and 2 its children; 3 a child of 1. Every node sees the prefix.
+    ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    visible = torch.cat([torch.ones(4, 9, dtype=torch.bool), ancestors], dim=1).expand(2, 1, 4, 13)
+    positions = torch.tensor([9, 10, 10, 11]).expand(2, 4)
+    logits = {}
+    for name in ("sdpa", GROUPED_SDPA):
+        tiny_qwen3.set_attn_implementation(name)
+        copies.clear()
+        cache = DynamicCache(config=tiny_qwen3.config)
+        tiny_qwen3(input_ids=prefix, cache=cache, use_cache=True)
+        mask = additive_mask(visible, torch.float32)
+        logits[name] = tiny_qwen3(
+            input_ids=tree, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True
+        ).logits
+        assert bool(copies) == (name == "sdpa")
+    assert torch.equal(logits["sdpa"], logits[GROUPED_SDPA])

@@ -20,8 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from trainer.errors import UserError
 from trainer.paths import project_path
@@ -90,10 +93,47 @@ def layer_features(states: dict[int, torch.Tensor], layer_ids: Sequence[int], in
     return torch.cat([states[layer][index] for layer in layer_ids], dim=-1)
 
 
+# ``sdpa`` for a target that verifies trees on CPU (the default of ``load_causal_lm``): see ``_grouped_sdpa``.
+GROUPED_SDPA = "sdpa_grouped"
+
+
+def _grouped_sdpa(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs
+) -> tuple[torch.Tensor, None]:
+    """transformers' ``sdpa``, except that a masked call with several query tokens on CPU attends each group of
+    query heads to its shared key/value head in place (``enable_gqa``): the stock function copies the whole KV
+    cache to every query head there (``repeat_kv``), in every layer of every tree verification step. Same values
+    bit for bit on CPU (tested); on other devices the stock function, whose fused kernels need that copy.
+    Shapes: query (B, H, T, D), key/value (B, H_kv, L, D) -> (B, T, H, D)"""
+    grouped = getattr(module, "num_key_value_groups", 1) > 1
+    if (
+        not grouped
+        or attention_mask is None
+        or query.shape[2] == 1
+        or query.device.type != "cpu"
+        or kwargs.get("position_bias") is not None
+    ):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=kwargs.get("dropout", 0.0),
+        scale=kwargs.get("scaling"),
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_SDPA, _grouped_sdpa)
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+
+
 def load_causal_lm(
     name_or_path: str,
     dtype: str | torch.dtype = "float32",
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = GROUPED_SDPA,
     device: str | torch.device | None = None,
 ) -> PreTrainedModel:
     """An HF causal LM by hub id or local path (a shipped one from any directory, ``trainer.paths``); a clear
@@ -131,7 +171,7 @@ class Target(nn.Module):
         name_or_path: str,
         layer_ids: Sequence[int],
         dtype: str | torch.dtype = "float32",
-        attn_implementation: str = "sdpa",
+        attn_implementation: str = GROUPED_SDPA,
         device: str | torch.device | None = None,
     ) -> Target:
         """Load an HF causal LM by hub id or local path, frozen, in ``dtype``."""
