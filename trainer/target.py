@@ -98,7 +98,12 @@ GROUPED_SDPA = "sdpa_grouped"
 
 
 def _grouped_sdpa(
-    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' ``sdpa``, except that a masked call with several query tokens on CPU attends each group of
     query heads to its shared key/value head in place (``enable_gqa``): the stock function copies the whole KV
