@@ -604,6 +604,8 @@ def test_decode_workers_publish_what_in_process_decoding_publishes(tmp_path, tar
     class Counting(Decoding):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
+            # Ready before the first batch: the daemon decodes batches itself while its workers start.
+            self.start(wait=True)
             decode = self.decode
             self.decode = lambda lines: here.append(len(lines)) or decode(lines)
 
@@ -628,14 +630,18 @@ def test_decode_workers_publish_what_in_process_decoding_publishes(tmp_path, tar
 
 
 def test_a_dead_decode_worker_costs_only_time():
-    """Batches held by a worker that dies are decoded in the daemon's process; the workers start again; closing
-    with results never read (a daemon stopped mid-stream) returns at once."""
+    """Batches held by a worker that dies are decoded in the daemon's process; the workers start again, and
+    batches are decoded there while they start; closing with results never read (a daemon stopped mid-stream)
+    returns at once."""
     assert Decoding(V, workers=0).submit([b"{}"]) is None
     decoding = Decoding(V, workers=1)
     rng = random.Random(1)
     lines = [json.dumps(step(rng)).encode() for _ in range(5)] + [b"{"]
     big = [json.dumps(step(rng, n=60)).encode() for _ in range(400)]
     try:
+        # Still importing: the caller decodes the batch.
+        assert decoding.submit(lines) is None and decoding._pool
+        assert decoding.start(wait=True) and decoding._pool[0].ready
         first = decoding.submit(lines)
         # Dies holding a batch: the worker takes it, and is killed before it can answer.
         second = decoding.submit(lines[:2])
@@ -643,10 +649,14 @@ def test_a_dead_decode_worker_costs_only_time():
         first.worker.proc.wait()
         assert len(decoding.result(first).steps) == 5
         assert len(decoding.result(second).steps) == 2
-        # Found dead at the next submit: a fresh worker takes the batch, the dead one's is decoded here.
+        # The workers start again at the next batch, which is decoded here while they do.
+        assert decoding.submit(lines) is None and decoding.start(wait=True)
         held = decoding.submit(lines)
         held.worker.proc.kill()
         held.worker.proc.wait()
+        # Found dead at the next submit: a fresh worker starts and takes the batch after; the dead one's is
+        # decoded here.
+        assert decoding.submit(lines) is None and decoding.start(wait=True)
         third = decoding.submit(lines)
         assert third.worker is not held.worker and third.worker.proc.poll() is None
         assert len(decoding.result(held).steps) == 5

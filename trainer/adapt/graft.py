@@ -430,6 +430,8 @@ class GraftDaemon:
         self._truncate_quarantine()
         self.reader = LogReader(self.logs, self.state.offsets, vocab_size=vocab_size, raw=True)
         self.decoder = Decoding(vocab_size, decode_workers)
+        # The workers start while this process sets up and reads; it decodes itself until they are ready.
+        self.decoder.start()
         self.stop = threading.Event()
         self.version: int | None = None
         self._started = time.monotonic()
