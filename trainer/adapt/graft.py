@@ -592,7 +592,7 @@ class GraftDaemon:
                 if isinstance(work, Pending):
                     started = time.perf_counter()
                     work = self.decoder.result(work)
-                    # At most one batch's worth of credit: a long wait (a worker starting) is not paid back by
+                    # At most one batch's worth of credit: a long wait (the worker descheduled) is not paid back by
                     # decoding many batches here while the workers idle.
                     idle = min(idle + time.perf_counter() - started, cost)
                     in_flight -= 1
