@@ -119,6 +119,25 @@ def test_drafting_state_keeps_learning_only_while_a_drafting_arm_is_nearly_best(
     assert controller.speculating() is keeps_learning
 
 
+def test_a_slower_machine_does_not_make_an_arm_measured_earlier_look_better():
+    # Plain 4 / 0.01 = 400 tokens/s, recycling 4 x 2 / 0.0227 = 352: 12% behind, outside the 10% ready margin.
+    # Measured as a server would have: plain decoding every step, recycling now and then.
+    controller = Controller([("none", 0), ("recycling", 8)], probe_share=0.0, probe_grace=0.0)
+    for step in range(500):
+        _measure(controller, ("none", 0), 0.01)
+        if step % 100 == 0:
+            _measure(controller, ("recycling", 8), 0.0227)
+    assert controller.choose(4) == ("none", 0) and not controller.speculating()
+    # The CPU slows by 15% while only plain decoding runs: recycling would slow alike, so it stays 12% behind
+    # (compared with its figure from before the slowdown, it would look as fast as plain decoding).
+    for _ in range(200):
+        _measure(controller, ("none", 0), 0.0115)
+        assert controller.choose(4) == ("none", 0)
+        assert not controller.speculating()
+    assert controller.cost(("none", 0), 4) == pytest.approx(0.0115)
+    assert controller.cost(("recycling", 8), 4) == pytest.approx(0.0227 * 1.15, rel=0.01)
+
+
 def test_a_drafter_far_behind_gets_no_sessions_until_it_is_due_for_a_measurement():
     controller = Controller([("none", 0), ("ddtree", 8)], probe_share=0.0, probe_grace=0.0, refresh=5.0)
     plain = StepEvent(0, 0, 0, Tree.from_lists([0], [-1]), [0], 0, torch.zeros(1), {}, 0, "none")

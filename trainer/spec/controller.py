@@ -10,7 +10,14 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   average of the logarithm of the measured wall time of whole steps (drafting, tree, verification, commit)
   with that arm at that batch size (a geometric mean: one step descheduled on a shared machine does not sink
   an arm; both averages start as plain means, so early figures are not biased; an arm not measured at ``B``
-  is estimated from another batch size, below). The acceptance average spans about ``1 / tau_decay`` rows
+  is estimated from another batch size, below), times the machine's current speed. The machine's speed is
+  shared by every arm: ``drift`` follows how much slower or faster than its arm's figure each step ran (rate
+  ``drift_decay``) and an arm's own figure learns only what the drift does not explain (rate ``cost_decay``).
+  Without it an arm measured minutes ago, while the CPU ran faster, was compared with the running arm's figure
+  of now: on a 2-core machine whose speed wanders by 5-15% over seconds, recycling at four and eight requests,
+  measured 10-20% behind plain decoding, came within the ready margin whenever the machine slowed, and was
+  kept learning and probed (in process at four requests the controller made 0.95x plain decoding's tokens/s
+  that way, 0.98x with the drift). The acceptance average spans about ``1 / tau_decay`` rows
   (100): one row's accepted length varies from 0 to the whole tree, and an arm is left (and stops being
   measured) just when its average dips, so a short window keeps it low (measured with recycling at one
   request: a 20-row window estimated τ 1.33 where its steps realised 1.72, and the controller spent 45% of its
@@ -108,7 +115,8 @@ class Controller:
         ready_margin: float = 0.1,
         refresh: float = 30.0,
         tau_decay: float = 0.01,
-        cost_decay: float = 0.2,
+        cost_decay: float = 0.01,
+        drift_decay: float = 0.2,
         min_samples: int = 2,
     ) -> None:
         self.arms = list(arms)
@@ -122,6 +130,10 @@ class Controller:
         self.refresh = refresh
         self.tau_decay = tau_decay
         self.cost_decay = cost_decay
+        self.drift_decay = drift_decay
+        # log of the machine's speed factor (0: as when the figures started); ``speed`` = exp(drift).
+        self.drift = 0.0
+        self.speed = 1.0
         self.min_samples = min_samples
         self.steps = 0
         self.last: tuple[str, int] = self.arms[0]
@@ -156,16 +168,16 @@ class Controller:
         """Estimated seconds of a step with ``arm`` at ``batch_size``; None if the arm was never measured."""
         cells = self.stats[arm].cost
         if batch_size in cells:
-            return cells[batch_size][0]
+            return cells[batch_size][0] * self.speed
         if not cells:
             return None
         plain = self.stats[PLAIN].cost if PLAIN in self.stats else {}
         common = [b for b in cells if b in plain]
         if batch_size in plain and common:
             near = min(common, key=lambda b: abs(b - batch_size))
-            return cells[near][0] * plain[batch_size][0] / plain[near][0]
+            return cells[near][0] * plain[batch_size][0] / plain[near][0] * self.speed
         near = min(cells, key=lambda b: abs(b - batch_size))
-        return cells[near][0] * batch_size / near
+        return cells[near][0] * batch_size / near * self.speed
 
     def throughput(self, arm: tuple[str, int], batch_size: int, cost: float | None = None) -> float:
         """Expected tokens per second of ``arm`` at ``batch_size`` (0 if never measured); ``cost``: its
@@ -281,10 +293,18 @@ class Controller:
         if stats is None:
             return
         self.measured_at[tree, budget] = self.seconds
+        # A cell holds the arm's step seconds at speed 1 (``cost`` multiplies by the current speed).
         cell = stats.cost.setdefault(batch_size, [0.0, 0, 0])
         cell[2] += 1
-        log_cost = math.log(cell[0]) if cell[2] > 1 else 0.0
-        cell[0] = math.exp(log_cost + max(self.cost_decay, 1 / cell[2]) * (math.log(max(seconds, 1e-9)) - log_cost))
+        log_seconds = math.log(max(seconds, 1e-9))
+        if cell[2] == 1:
+            cell[0] = math.exp(log_seconds - self.drift)
+        else:
+            log_cost = math.log(cell[0])
+            self.drift += self.drift_decay * (log_seconds - log_cost - self.drift)
+            self.speed = math.exp(self.drift)
+            rate = max(self.cost_decay, 1 / cell[2])
+            cell[0] = math.exp(log_cost + rate * (log_seconds - self.drift - log_cost))
         cell[1] = self.steps
         if (tree, budget) == PLAIN:
             # No draft node verified: plain decoding's τ is 1, nothing to learn per row.
