@@ -12,7 +12,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from trainer.spec.batch import RowStep
 
@@ -39,12 +43,16 @@ class Metrics:
         )
         self.last_reload_error = Info("trainer_last_reload_error", "why the last snapshot failed to load", registry=r)
         self.steps = Counter("trainer_steps", "engine steps per controller arm", ["arm"], registry=r)
-        self.arm_tau = Gauge("trainer_arm_tau", "the controller's τ estimate per arm", ["arm"], registry=r)
         self.tokens = Counter("trainer_tokens", "tokens committed", registry=r)
         self.requests = Counter("trainer_requests", "requests by status", ["status"], registry=r)
         self.engine_errors = Counter("trainer_engine_errors", "engine steps that failed", registry=r)
         self._tau: float | None = None
         self._rate: float | None = None
+
+    def watch_taus(self, taus: Callable[[], dict[str, float]]) -> None:
+        """Report ``taus()`` (the controller's τ estimate per arm) as ``trainer_arm_tau{arm}``, read at each
+        scrape: setting seven labelled gauges after every engine step cost the step 11 µs (measured)."""
+        self.registry.register(_ArmTaus(taus))
 
     def observe_step(self, events: list[RowStep], seconds: float) -> None:
         tokens = sum(len(e.new) for e in events)
@@ -55,3 +63,14 @@ class Metrics:
         self._rate = rate if self._rate is None else self._rate + DECAY * (rate - self._rate)
         self.tau.set(self._tau)
         self.tokens_per_second.set(self._rate)
+
+
+class _ArmTaus(Collector):
+    def __init__(self, taus: Callable[[], dict[str, float]]) -> None:
+        self.taus = taus
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("trainer_arm_tau", "the controller's τ estimate per arm", labels=["arm"])
+        for arm, tau in self.taus().items():
+            family.add_metric([arm], tau)
+        yield family

@@ -80,6 +80,8 @@ class Worker:
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._last_reload = 0.0
+        if isinstance(engine.policy, Controller):
+            metrics.watch_taus(engine.policy.taus)
         if writer is not None:
             engine.on_step = self._on_step
             # Request records carry the prompt's top-k: the graft daemon's evidence for prompt positions.
@@ -133,9 +135,6 @@ class Worker:
                 self.wake.clear()
                 continue
             self.metrics.observe_step(events, time.perf_counter() - start)
-            if isinstance(self.engine.policy, Controller):
-                for arm, tau in self.engine.policy.taus().items():
-                    self.metrics.arm_tau.labels(arm).set(tau)
 
     def _recorder(self, identity: Identity, drafter: str | None, version: int | None) -> StepRecorder:
         return StepRecorder(
