@@ -3,6 +3,7 @@ batch around it (mixed prompt lengths, staggered arrival, cancellation), greedy 
 drafters drafting all rows in one forward draft what each row's own forward would."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -213,3 +214,45 @@ def test_a_drafter_session_only_for_requests_the_policy_wants_ready(shipped):
         plain = make_session("none", target, None)
         alone = generate(target, plain, BUILDERS["none"], prompt, request.max_new_tokens, 0)
         assert request.tokens == alone.tokens
+
+
+class Learning:
+    """Plain decoding while keeping drafting state learning; records what each step was charged."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+
+    def choose(self, batch_size, available=None):
+        return ("none", 0)
+
+    def observe(self, tree, budget, batch_size, rows, seconds):
+        self.seconds.append(seconds)
+
+    def ready(self, tree):
+        return True
+
+    def speculating(self):
+        return True
+
+
+def test_a_plain_step_is_not_charged_for_the_learning_it_does_for_a_drafting_arm(shipped, monkeypatch):
+    target, drafter, prompts = shipped
+    policy = Learning()
+    engine = BatchEngine(target, drafter, ("none", "recycling"), policy)
+    learned = []
+    slow = engine.recycling.learn
+
+    def learn(*args):
+        learned.append(True)
+        time_before = time.perf_counter()
+        slow(*args)
+        while time.perf_counter() - time_before < 0.2:
+            pass
+
+    monkeypatch.setattr(engine.recycling, "learn", learn)
+    engine.submit(BatchRequest(prompts[0], 4))
+    while engine.busy:
+        engine.step()
+    # Every plain step learned (0.2 s each), and none was charged for it: a step of the tiny target takes ms.
+    assert len(learned) >= len(policy.seconds) == 3
+    assert max(policy.seconds) < 0.1

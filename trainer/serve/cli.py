@@ -28,8 +28,8 @@ from trainer.paths import project_path
 from trainer.serve.app import Limits, build_app
 from trainer.serve.metrics import Metrics
 from trainer.serve.worker import Worker
-from trainer.spec.batch import BatchEngine, Fixed
-from trainer.spec.controller import Controller
+from trainer.spec.batch import BatchEngine
+from trainer.spec.controller import policy_for
 from trainer.spec.drafting import DraftSession, RecyclingSession, load_drafter
 from trainer.spec.engine import BUILDERS
 from trainer.spec.options import TreeOptions
@@ -72,15 +72,13 @@ def main(argv: list[str]) -> None:
     drafter_name = None if drafter is None else Path(args.drafter).name
     if args.tree == "auto":
         neural = args.neural_tree if drafter is not None else None
-        policy = Controller(Controller.arms(neural))
-        trees = tuple(tree for tree, _ in policy.arms)
     else:
         if args.tree not in BUILDERS:
             raise UserError(f"--tree {args.tree!r}: choose 'auto' or one of {sorted(BUILDERS)}")
         if args.budget < 0:
             raise UserError(f"--budget must be >= 0, got {args.budget}")
         neural = None if BUILDERS[args.tree].session in (DraftSession, RecyclingSession) else args.tree
-        policy, trees = Fixed(args.tree, args.budget), (args.tree,)
+    policy, trees = policy_for(args.tree, args.budget, neural)
     engine = BatchEngine(target, drafter, trees, policy, options, max_batch=args.max_batch)
     for directory in args.watch:
         if not directory.is_dir():

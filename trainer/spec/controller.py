@@ -12,7 +12,8 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   an arm; both averages start as plain means, so early figures are not biased; an arm not measured at ``B``
   is estimated from another batch size, below), times the machine's current speed. The machine's speed is
   shared by every arm: ``drift`` follows how much slower or faster than its arm's figure each step ran (rate
-  ``drift_decay``) and an arm's own figure learns only what the drift does not explain (rate ``cost_decay``).
+  ``drift_decay``; only figures with more than ``drift_after`` measurements count) and an arm's own figure learns
+  only what the drift does not explain (rate ``cost_decay``, a plain mean over its first measurements).
   Without it an arm measured minutes ago, while the CPU ran faster, was compared with the running arm's figure
   of now: on a 2-core machine whose speed wanders by 5-15% over seconds, recycling at four and eight requests,
   measured 10-20% behind plain decoding, came within the ready margin whenever the machine slowed, and was
@@ -79,7 +80,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from trainer.spec.batch import RowStep
+from trainer.spec.batch import Fixed, Policy, RowStep
 
 PLAIN = ("none", 0)
 RECYCLING_BUDGETS = (8, 16, 32)
@@ -117,6 +118,7 @@ class Controller:
         tau_decay: float = 0.01,
         cost_decay: float = 0.01,
         drift_decay: float = 0.2,
+        drift_after: int = 30,
         min_samples: int = 2,
     ) -> None:
         self.arms = list(arms)
@@ -131,6 +133,7 @@ class Controller:
         self.tau_decay = tau_decay
         self.cost_decay = cost_decay
         self.drift_decay = drift_decay
+        self.drift_after = drift_after
         # log of the machine's speed factor (0: as when the figures started); ``speed`` = exp(drift).
         self.drift = 0.0
         self.speed = 1.0
@@ -301,8 +304,11 @@ class Controller:
             cell[0] = math.exp(log_seconds - self.drift)
         else:
             log_cost = math.log(cell[0])
-            self.drift += self.drift_decay * (log_seconds - log_cost - self.drift)
-            self.speed = math.exp(self.drift)
+            if cell[2] > self.drift_after:
+                # Only an established figure tells the machine's speed: a young one's surprise is mostly its own
+                # error (a first step's one-time costs), and moved the drift of every other arm with it.
+                self.drift += self.drift_decay * (log_seconds - log_cost - self.drift)
+                self.speed = math.exp(self.drift)
             rate = max(self.cost_decay, 1 / cell[2])
             cell[0] = math.exp(log_cost + rate * (log_seconds - self.drift - log_cost))
         cell[1] = self.steps
@@ -322,3 +328,13 @@ class Controller:
     def taus(self) -> dict[str, float]:
         """The τ estimate of every arm, keyed ``"tree@budget"`` (for /metrics)."""
         return {f"{tree}@{budget}": s.tau for (tree, budget), s in self.stats.items()}
+
+
+def policy_for(tree: str, budget: int, neural_tree: str | None) -> tuple[Policy, tuple[str, ...]]:
+    """The policy of an engine serving ``tree`` and the builders its requests need sessions for: ``"auto"`` is
+    the controller over plain decoding, recycling and ``neural_tree`` (None: no drafter); a builder's name is
+    that builder at ``budget``."""
+    if tree == "auto":
+        policy = Controller(Controller.arms(neural_tree))
+        return policy, tuple(name for name, _ in policy.arms)
+    return Fixed(tree, budget), (tree,)

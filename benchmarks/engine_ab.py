@@ -1,0 +1,140 @@
+"""Engines side by side in one process, stepping in strict alternation: tokens per second of engine time of fixed
+speculative configurations and of the cost-aware controller, as ratios to plain decoding at concurrency 1, 4, 8.
+
+``benchmarks/serve.py`` measures what a client of ``trainer serve`` sees, in turns of seconds; on this 2-core
+machine the CPU's speed wanders by 5-15% over seconds, so two identical servers still differ by a few percent
+there. Here the engines that ``trainer serve --tree T --budget B`` would run share one target and take one step
+each in turn (forward, then backward order), so every engine sees the same machine to within a step: the noise
+left is that of single steps, and ratios are good to about half a percent. Each engine keeps ``concurrency``
+requests live (a finished request is replaced before the next step; the first ones end after 8, 16, ... tokens so
+that rows finish at different steps, as in a server), sampled at ``--temperature`` with a seed per request, and is
+charged the wall time of its own steps, admissions (prefill) included. No HTTP and no tokenizer: the server's own
+work per request is the same for every configuration. Ratios come with the standard error over blocks of
+``--block`` seconds; a second plain engine ("plain again") is the noise control.
+
+    OMP_NUM_THREADS=1 python benchmarks/engine_ab.py [--seconds 60] [--configs none:0,recycling:8,auto:0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from trainer.paths import project_path
+from trainer.serve.worker import seeded_generator
+from trainer.spec.batch import BatchEngine, BatchRequest
+from trainer.spec.controller import policy_for
+from trainer.spec.drafting import load_drafter
+from trainer.spec.options import TreeOptions
+from trainer.spec.verify import Sampling
+from trainer.target import load_causal_lm
+
+CONCURRENCY = (1, 4, 8)
+
+
+class Lane:
+    """One engine and its live requests; ``step`` returns the tokens it produced and the seconds it took."""
+
+    def __init__(
+        self, engine: BatchEngine, prompts: list[list[int]], concurrency: int, max_tokens: int, temperature: float
+    ) -> None:
+        self.engine, self.prompts, self.concurrency = engine, prompts, concurrency
+        self.max_tokens, self.temperature = max_tokens, temperature
+        self.live: list[BatchRequest] = []
+        self.submitted = 0
+
+    def step(self) -> tuple[int, float]:
+        start = time.perf_counter()
+        while len(self.live) < self.concurrency:
+            n = self.submitted
+            max_tokens = self.max_tokens if n >= self.concurrency else 8 * (n + 1)
+            request = BatchRequest(
+                torch.tensor(self.prompts[n % len(self.prompts)]), max_tokens,
+                Sampling(self.temperature, 1.0, 0), seeded_generator(n), frozenset(),
+            )  # fmt: skip
+            self.engine.submit(request)
+            self.live.append(request)
+            self.submitted += 1
+        before = sum(len(r.tokens) for r in self.live)
+        self.engine.step()
+        seconds = time.perf_counter() - start
+        tokens = sum(len(r.tokens) for r in self.live) - before
+        self.live = [r for r in self.live if not r.finished]
+        return tokens, seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=60.0, help="measured seconds per concurrency (all engines)")
+    p.add_argument("--warmup", type=float, default=5.0, help="seconds of steps before measuring")
+    p.add_argument("--block", type=float, default=2.0, help="seconds per block of the standard error")
+    p.add_argument("--configs", default="none:0,recycling:8,recycling:16,ddtree:16,auto:0")
+    p.add_argument("--target", default="checkpoints/target_tiny")
+    p.add_argument("--drafter", default="checkpoints/dflash_tiny")
+    p.add_argument("--neural-tree", default="ddtree", help="the drafter's builder the controller may choose")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompts", type=Path, default=project_path("data/prompts/stdlib_heldout.jsonl"))
+    p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True, help="a second plain engine")
+    args = p.parse_args()
+    configs = [(c.split(":")[0], int(c.split(":")[1])) for c in args.configs.split(",")]
+    if configs[0][0] != "none":
+        raise SystemExit("the first configuration must be plain decoding (none:0): ratios are to it")
+    if args.control:
+        configs.append(configs[0])
+    torch.set_grad_enabled(False)
+    target = load_causal_lm(str(project_path(args.target))).eval()
+    tokenizer = AutoTokenizer.from_pretrained(project_path(args.target))
+    drafter = load_drafter(project_path(args.drafter))
+    texts = [json.loads(line)["prompt"][-400:] for line in args.prompts.read_text().splitlines() if line.strip()]
+    prompts = [tokenizer(text)["input_ids"] for text in texts]
+    names = [f"{t}@{b}" if t != "auto" else "controller" for t, b in configs]
+    if args.control:
+        names[-1] = "plain again"
+    print(f"tokens per second of engine time as ratio to plain decoding (T={args.temperature}, {args.seconds:.0f} s "
+          f"of alternating steps); ± the standard error over {args.block:.0f} s blocks")  # fmt: skip
+    print(f"{'concurrency':>11} {'plain tok/s':>11} " + " ".join(f"{n:>16}" for n in names[1:]))
+    for concurrency in CONCURRENCY:
+        lanes = []
+        for tree, budget in configs:
+            neural = args.neural_tree if tree == "auto" else None
+            policy, trees = policy_for(tree, budget, neural)
+            engine = BatchEngine(target, drafter, trees, policy, TreeOptions.parse([]), max_batch=16)
+            lanes.append(Lane(engine, prompts, concurrency, args.max_tokens, args.temperature))
+        totals = [[0, 0.0] for _ in lanes]
+        blocks: list[list[float]] = []
+        block = [[0, 0.0] for _ in lanes]
+        start = block_start = time.perf_counter()
+        turn = 0
+        while time.perf_counter() - start < args.warmup + args.seconds:
+            measuring = time.perf_counter() - start >= args.warmup
+            for i in range(len(lanes)) if turn % 2 == 0 else reversed(range(len(lanes))):
+                tokens, seconds = lanes[i].step()
+                if measuring:
+                    for acc in (totals[i], block[i]):
+                        acc[0] += tokens
+                        acc[1] += seconds
+            turn += 1
+            if measuring and time.perf_counter() - block_start >= args.block:
+                blocks.append([tokens / seconds for tokens, seconds in block])
+                block = [[0, 0.0] for _ in lanes]
+                block_start = time.perf_counter()
+            elif not measuring:
+                block_start = time.perf_counter()
+        rates = [tokens / seconds for tokens, seconds in totals]
+        cells = []
+        for i in range(1, len(lanes)):
+            per_block = [b[i] / b[0] for b in blocks]
+            error = statistics.stdev(per_block) / len(per_block) ** 0.5 if len(per_block) > 1 else float("nan")
+            cells.append(f"{rates[i] / rates[0]:.3f}x ±{error:.3f}".rjust(16))
+        print(f"{concurrency:>11} {rates[0]:>11.1f} " + " ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
