@@ -17,8 +17,7 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   Without it an arm measured minutes ago, while the CPU ran faster, was compared with the running arm's figure
   of now: on a 2-core machine whose speed wanders by 5-15% over seconds, recycling at four and eight requests,
   measured 10-20% behind plain decoding, came within the ready margin whenever the machine slowed, and was
-  kept learning and probed (in process at four requests the controller made 0.95x plain decoding's tokens/s
-  that way, 0.98x with the drift). The acceptance average spans about ``1 / tau_decay`` rows
+  kept learning and probed meanwhile. The acceptance average spans about ``1 / tau_decay`` rows
   (100): one row's accepted length varies from 0 to the whole tree, and an arm is left (and stops being
   measured) just when its average dips, so a short window keeps it low (measured with recycling at one
   request: a 20-row window estimated τ 1.33 where its steps realised 1.72, and the controller spent 45% of its
