@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from serve import configurations  # benchmarks/serve.py, beside this script
 from transformers import AutoTokenizer
 
 from trainer.paths import project_path
@@ -83,20 +84,13 @@ def main() -> None:
     p.add_argument("--prompts", type=Path, default=project_path("data/prompts/stdlib_heldout.jsonl"))
     p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True, help="a second plain engine")
     args = p.parse_args()
-    configs = [(c.split(":")[0], int(c.split(":")[1])) for c in args.configs.split(",")]
-    if configs[0][0] != "none":
-        raise SystemExit("the first configuration must be plain decoding (none:0): ratios are to it")
-    if args.control:
-        configs.append(configs[0])
+    configs, names = configurations(args.configs, args.control)
     torch.set_grad_enabled(False)
     target = load_causal_lm(str(project_path(args.target))).eval()
     tokenizer = AutoTokenizer.from_pretrained(project_path(args.target))
     drafter = load_drafter(project_path(args.drafter))
     texts = [json.loads(line)["prompt"][-400:] for line in args.prompts.read_text().splitlines() if line.strip()]
     prompts = [tokenizer(text)["input_ids"] for text in texts]
-    names = [f"{t}@{b}" if t != "auto" else "controller" for t, b in configs]
-    if args.control:
-        names[-1] = "plain again"
     print(f"tokens per second of engine time as ratio to plain decoding (T={args.temperature}, {args.seconds:.0f} s "
           f"of alternating steps); ± the standard error over {args.block:.0f} s blocks")  # fmt: skip
     print(f"{'concurrency':>11} {'plain tok/s':>11} " + " ".join(f"{n:>16}" for n in names[1:]))

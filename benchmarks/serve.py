@@ -41,6 +41,19 @@ def committed(url: str) -> float:
     return sum(float(m.group(1)) for m in (steps, admitted) if m)
 
 
+def configurations(text: str, control: bool) -> tuple[list[tuple[str, int]], list[str]]:
+    """``tree:budget,...`` (plain decoding ``none:0`` first: ratios are to it) as (tree, budget) pairs, plain
+    decoding once more at the end with ``control``; and the column name of each."""
+    configs = [(c.split(":")[0], int(c.split(":")[1])) for c in text.split(",")]
+    if configs[0][0] != "none":
+        raise SystemExit("the first configuration must be plain decoding (none:0): ratios are to it")
+    names = [f"{t}@{b}" if t != "auto" else "controller" for t, b in configs]
+    if control:
+        configs.append(configs[0])
+        names.append("plain again")
+    return configs, names
+
+
 def load(url: str, prompts: list[str], concurrency: int, ramp: float, seconds: float, temperature: float,
          max_tokens: int) -> float:  # fmt: skip
     """Tokens per second the server at ``url`` produced between ``ramp`` and ``ramp + seconds`` while
@@ -82,11 +95,7 @@ def main() -> None:
     control = "a second set of plain servers taking turns like the others: its ratio is the benchmark's own noise"
     p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True, help=control)
     args = p.parse_args()
-    configs = [(c.split(":")[0], int(c.split(":")[1])) for c in args.configs.split(",")]
-    if configs[0][0] != "none":
-        raise SystemExit("the first configuration must be plain decoding (none:0): ratios are to it")
-    if args.control:
-        configs.append(configs[0])
+    configs, names = configurations(args.configs, args.control)
     prompts = [json.loads(line)["prompt"][-400:] for line in args.prompts.read_text().splitlines() if line.strip()]
     # (configuration index, replica) -> server; the control is a second set of the first configuration.
     servers = {}
@@ -110,9 +119,6 @@ def main() -> None:
     finally:
         for server in servers.values():
             server.stop()
-    names = [f"{t}@{b}" if t != "auto" else "controller" for t, b in configs]
-    if args.control:
-        names[-1] = "plain again"
     print(f"tokens/s as ratio to plain decoding (T={args.temperature}, {args.rounds} rounds x {args.replicas} "
           f"servers x {args.seconds:.0f} s per configuration);")  # fmt: skip
     print("in brackets the lowest and highest ratio of one round's turns")
