@@ -217,10 +217,12 @@ def test_a_drafter_session_only_for_requests_the_policy_wants_ready(shipped):
 
 
 class Learning:
-    """Plain decoding while keeping drafting state learning; records what each step was charged."""
+    """Plain decoding while keeping drafting state learning (or not: ``speculate``); records what each step was
+    charged."""
 
-    def __init__(self) -> None:
+    def __init__(self, speculate: bool = True) -> None:
         self.seconds: list[float] = []
+        self.speculate = speculate
 
     def choose(self, batch_size, available=None):
         return ("none", 0)
@@ -232,7 +234,20 @@ class Learning:
         return True
 
     def speculating(self):
-        return True
+        return self.speculate
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_the_shared_adjacency_learns_prompts_and_plain_steps_only_while_the_policy_may_draft(shipped, speculate):
+    target, drafter, prompts = shipped
+    engine = BatchEngine(target, drafter, ("none", "recycling"), Learning(speculate))
+    before = engine.recycling.adjacency.clone()
+    engine.submit(BatchRequest(prompts[0], 4))
+    while engine.busy:
+        engine.step()
+    changed = (engine.recycling.adjacency != before).any(1)
+    # Speculating: every prompt position and every verified node taught its row; otherwise nothing did.
+    assert bool(changed[prompts[0]].all()) if speculate else not changed.any()
 
 
 def test_a_plain_step_is_not_charged_for_the_learning_it_does_for_a_drafting_arm(shipped, monkeypatch):

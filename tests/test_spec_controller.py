@@ -163,7 +163,7 @@ def test_a_drafter_far_behind_gets_no_sessions_until_it_is_due_for_a_measurement
 
 
 def test_a_probe_is_charged_the_throughput_it_realised_not_its_estimate():
-    controller = Controller([("none", 0), ("recycling", 8)], probe_share=0.5, probe_grace=0.0)
+    controller = Controller([("none", 0), ("recycling", 8)], probe_share=0.5, probe_grace=0.0, replan=1)
     plain = StepEvent(0, 0, 0, Tree.from_lists([0], [-1]), [0], 0, torch.zeros(1), {}, 0, "none")
     drafted = StepEvent(0, 0, 0, chain(0, torch.arange(1, 9), 8), [0, 1], 0, torch.zeros(1), {}, 8, "recycling")
     for _ in range(5):
@@ -183,7 +183,7 @@ def test_a_probe_is_charged_the_throughput_it_realised_not_its_estimate():
 def test_a_probe_of_an_arm_far_behind_does_not_keep_drafting_state_learning():
     # Requests admitted after a probe would pay for their prompt's logits (an LM head over the prompt) for an arm
     # that is a third slower: the probe's own step learns its nodes, nothing more.
-    controller = Controller([("none", 0), ("recycling", 8)], probe_share=0.5, probe_grace=0.0)
+    controller = Controller([("none", 0), ("recycling", 8)], probe_share=0.5, probe_grace=0.0, replan=1)
     plain = StepEvent(0, 0, 0, Tree.from_lists([0], [-1]), [0], 0, torch.zeros(1), {}, 0, "none")
     drafted = StepEvent(0, 0, 0, chain(0, torch.arange(1, 9), 8), [0, 1], 0, torch.zeros(1), {}, 8, "recycling")
     for _ in range(controller.min_samples):
@@ -193,6 +193,31 @@ def test_a_probe_of_an_arm_far_behind_does_not_keep_drafting_state_learning():
     controller.observe("none", 0, 4, [RowStep(None, plain, [0])] * 4, 0.01)
     assert controller.choose(4) == ("recycling", 8)
     assert controller.probing and not controller.speculating()
+
+
+def test_a_held_choice_is_dropped_when_the_batch_changes_and_a_due_probe_waits_at_most_replan_steps():
+    # Recycling wins at one request (1 x 3 / 0.012 = 250 tokens/s against 1 / 0.006 = 167), plain decoding at
+    # eight (8 / 0.012 = 667 against 8 x 3 / 0.05 = 480).
+    controller = Controller([("none", 0), ("recycling", 8)], probe_share=0.0, probe_grace=0.0, replan=8)
+    for _ in range(controller.min_samples):
+        for batch, plain, drafted in ((1, 0.006, 0.012), (8, 0.012, 0.05)):
+            _measure(controller, ("none", 0), plain, batch=batch)
+            _measure(controller, ("recycling", 8), drafted, accepted=2, batch=batch)
+    for batch, best in ((1, ("recycling", 8)), (8, ("none", 0)), (1, ("recycling", 8)), (8, ("none", 0))):
+        # The first step at a new batch size is chosen afresh, not taken from the plan made at the other size.
+        assert controller.choose(batch) == best
+        _measure(controller, best, 0.012, accepted=2 if best[1] else 0, batch=batch)
+    # At eight requests recycling's figure goes stale while plain decoding runs; with an ample budget its probe
+    # comes, once, within the `replan` steps a held choice lasts.
+    controller.probe_share = 0.5
+    chosen = []
+    for _ in range(24):
+        arm = controller.choose(8)
+        chosen.append(arm)
+        _measure(controller, arm, 0.012 if arm == ("none", 0) else 0.05, accepted=0 if arm[1] == 0 else 2, batch=8)
+    probes = [i for i, arm in enumerate(chosen) if arm == ("recycling", 8)]
+    assert probes and probes[0] < controller.replan
+    assert all(b - a > 1 for a, b in itertools.pairwise(probes))
 
 
 def _measure(controller, arm, seconds, accepted=1, batch=4):

@@ -123,7 +123,7 @@ class Policy(Protocol):
     def speculating(self) -> bool:
         """Whether steps draft now or may soon: if not, a request admitted now skips the prompt evidence that
         only drafting uses (the logits of every prompt position, an LM head over the whole prompt), and the
-        shared recycling adjacency does not learn the nodes of plain steps."""
+        shared recycling adjacency learns neither its prompt nor the nodes of plain steps."""
         ...
 
 
@@ -390,8 +390,12 @@ class BatchEngine:
         if self.prefill_topk and logits.shape[0] == prompt.numel():
             request.prefill_topk = logits.topk(min(self.prefill_topk, logits.shape[-1]), dim=-1).indices
         request.tokens = [request.sampling.next_token(logits[-1], request.generator)]
+        speculating = self.policy.speculating()
         for session in sessions:
-            session.start(prompt, layer_features(states, session.layer_ids, (0,)), logits)
+            # The shared adjacency learns a prompt, as it learns a plain step's nodes, only while the policy may
+            # soon draft: a top-k per admitted prompt is otherwise work for nothing.
+            if session is not self.recycling or speculating:
+                session.start(prompt, layer_features(states, session.layer_ids, (0,)), logits)
         request.past_len = prompt.numel()
         if request.on_tokens is not None:
             request.on_tokens(list(request.tokens), False)
