@@ -4,9 +4,14 @@ batch's expected tokens per second, from costs and acceptance measured live.
 An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-free retrieval
 (``recycling``) and the neural drafter's builder at a few budgets. The rule, per step at batch size ``B``:
 
-- expected throughput of an arm = ``B · τ(arm) / cost(arm, B)``, where ``τ(arm) = 1 + Σ_d reach_d(arm)`` and
-  ``reach_d`` is an exponential moving average, over the rows of steps that used the arm, of "the accepted
-  path reached depth ``d``" (the live acceptance by depth), and ``cost(arm, B)`` is an exponential moving
+- expected throughput of an arm = ``B · τ(arm, B) / cost(arm, B)``, where ``τ(arm, B) = 1 + Σ_d reach_d`` and
+  ``reach_d`` is an exponential moving average, over the rows of steps that used the arm at batch size ``B``, of
+  "the accepted path reached depth ``d``" (the live acceptance by depth; kept per batch size because requests
+  drafting at once share what recycling learns and overwrite each other's rows: recycling@8 accepted 1.64 tokens
+  a row-step at one request and 1.51 at four, and the controller, carrying τ from one request to four, put
+  recycling within the ready margin there while it ran 15% behind; a size's average starts from the nearest
+  size's, counted as ``tau_prior`` (16) rows, and where the arm has no rows yet it is the nearest size's), and
+  ``cost(arm, B)`` is an exponential moving
   average of the logarithm of the measured wall time of whole steps (drafting, tree, verification, commit)
   with that arm at that batch size (a geometric mean: one step descheduled on a shared machine does not sink
   an arm; both averages start as plain means, so early figures are not biased; an arm not measured at ``B``
@@ -57,9 +62,12 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   for most of the time). The controller chooses among the builders every row has the session of. Readiness (and
   whether recycling keeps learning) is judged at the recent batch size (weighted over ~20 steps), the size a
   request admitted now will mostly run at: judged at the momentary size, every dip after a request leaves (4 → 3
-  at four clients) made a drafter look near-best and gave the next request its sessions. The margin is 10%: being
-  ready costs every admitted request a drafter session or its prompt's logits (on the tiny target about a step per
-  request), and at four requests recycling measured 0.80-0.86x plain decoding, inside a 15% margin in some runs.
+  at four clients) made a drafter look near-best and gave the next request its sessions. The margin is 5%, about
+  what being ready costs: every admitted request gets a drafter session or its prompt's logits, and plain steps
+  learn for recycling (in process at four requests a ready controller's plain steps took 11.43 ms against a plain
+  engine's 10.65 ms, 7% more). Being ready also makes the arm better (its adjacency warm), so a margin wider than
+  that cost held itself: at four requests, recycling 15-16% behind, a 10% margin ended ready in three of six
+  runs (0.93-0.95x plain decoding in those), a 5% margin in none of five (0.98-1.00x).
 
 Probing is budgeted in lost throughput, not steps, because one probe of an expensive arm (a neural tree of 16
 nodes per row at batch 8) can cost as much as dozens of plain steps, while an arm within a few percent of the
@@ -87,14 +95,28 @@ NEURAL_BUDGETS = (4, 8, 16)
 
 
 @dataclass
-class ArmStats:
+class Acceptance:
     # reach[d - 1]: EMA of P(accepted path reaches depth d), over `rows` row-steps.
     reach: list[float] = field(default_factory=list)
     rows: int = 0
-    # Batch size → [EMA of step seconds, step counter when last measured, measurements].
-    cost: dict[int, list[float]] = field(default_factory=dict)
     # 1 + Σ reach, kept with it (read for every arm at every step).
     tau: float = 1.0
+
+
+@dataclass
+class ArmStats:
+    # Batch size → acceptance of the arm's steps at that size.
+    accept: dict[int, Acceptance] = field(default_factory=dict)
+    # Batch size → [EMA of step seconds, step counter when last measured, measurements].
+    cost: dict[int, list[float]] = field(default_factory=dict)
+
+    def tau(self, batch_size: int) -> float:
+        """τ at ``batch_size``, or at the nearest size where the arm was measured (1.0: never)."""
+        if batch_size in self.accept:
+            return self.accept[batch_size].tau
+        if not self.accept:
+            return 1.0
+        return self.accept[min(self.accept, key=lambda b: abs(b - batch_size))].tau
 
 
 def _losses(rates: dict[tuple[str, int], float]) -> dict[tuple[str, int], float]:
@@ -112,9 +134,10 @@ class Controller:
         probe_share: float = 0.005,
         probe_grace: float = 0.2,
         probe_half_life: float = 30.0,
-        ready_margin: float = 0.1,
+        ready_margin: float = 0.05,
         refresh: float = 30.0,
         tau_decay: float = 0.01,
+        tau_prior: int = 16,
         cost_decay: float = 0.01,
         drift_decay: float = 0.2,
         drift_after: int = 30,
@@ -131,6 +154,7 @@ class Controller:
         self.ready_margin = ready_margin
         self.refresh = refresh
         self.tau_decay = tau_decay
+        self.tau_prior = tau_prior
         self.cost_decay = cost_decay
         self.drift_decay = drift_decay
         self.drift_after = drift_after
@@ -190,7 +214,7 @@ class Controller:
         """Expected tokens per second of ``arm`` at ``batch_size`` (0 if never measured); ``cost``: its
         ``cost(arm, batch_size)`` when the caller has it."""
         cost = self.cost(arm, batch_size) if cost is None else cost
-        return 0.0 if cost is None else batch_size * self.stats[arm].tau / cost
+        return 0.0 if cost is None else batch_size * self.stats[arm].tau(batch_size) / cost
 
     def choose(self, batch_size: int, available: frozenset[str] | None = None) -> tuple[str, int]:
         """The arm of the next step at ``batch_size``, among the builders in ``available`` (None: all)."""
@@ -331,19 +355,30 @@ class Controller:
         if (tree, budget) == PLAIN:
             # No draft node verified: plain decoding's τ is 1, nothing to learn per row.
             return
+        accept = stats.accept.get(batch_size)
+        if accept is None:
+            # A new size starts from the nearest size's acceptance, weighted as ``tau_prior`` rows: at one request a
+            # cell sees a row a step, and started empty, one probe's row (accepted 0 to the whole tree) made an arm
+            # look best or worthless there for the next hundred steps.
+            near = stats.accept[min(stats.accept, key=lambda b: abs(b - batch_size))] if stats.accept else None
+            accept = Acceptance()
+            if near is not None:
+                accept = Acceptance(list(near.reach), min(near.rows, self.tau_prior), near.tau)
+            stats.accept[batch_size] = accept
         for row in rows:
             depth = int(row.event.tree.depths().max()) if row.event.tree.size else 0
-            stats.reach += [0.0] * (depth - len(stats.reach))
-            stats.rows += 1
-            rate = max(self.tau_decay, 1 / stats.rows)
+            accept.reach += [0.0] * (depth - len(accept.reach))
+            accept.rows += 1
+            rate = max(self.tau_decay, 1 / accept.rows)
             # A depth this tree did not reach counts as not reached: τ is what the arm's trees deliver.
-            for d, reach in enumerate(stats.reach, 1):
-                stats.reach[d - 1] = reach + rate * (float(len(row.event.path) > d) - reach)
-        stats.tau = 1.0 + sum(stats.reach)
+            for d, reach in enumerate(accept.reach, 1):
+                accept.reach[d - 1] = reach + rate * (float(len(row.event.path) > d) - reach)
+        accept.tau = 1.0 + sum(accept.reach)
 
     def taus(self) -> dict[str, float]:
-        """The τ estimate of every arm, keyed ``"tree@budget"`` (for /metrics)."""
-        return {f"{tree}@{budget}": s.tau for (tree, budget), s in self.stats.items()}
+        """The τ estimate of every arm at the recent batch size, keyed ``"tree@budget"`` (for /metrics)."""
+        typical = max(1, round(self.load or 1))
+        return {f"{tree}@{budget}": s.tau(typical) for (tree, budget), s in self.stats.items()}
 
 
 def policy_for(tree: str, budget: int, neural_tree: str | None) -> tuple[Policy, tuple[str, ...]]:
