@@ -99,7 +99,7 @@ class Acceptance:
     # reach[d - 1]: EMA of P(accepted path reaches depth d), over `rows` row-steps.
     reach: list[float] = field(default_factory=list)
     rows: int = 0
-    # 1 + Σ reach, kept with it (read for every arm at every step).
+    # 1 + Σ reach, kept with it (read for every arm at every choice).
     tau: float = 1.0
 
 
@@ -110,13 +110,16 @@ class ArmStats:
     # Batch size → [EMA of step seconds, step counter when last measured, measurements].
     cost: dict[int, list[float]] = field(default_factory=dict)
 
+    def acceptance(self, batch_size: int) -> Acceptance | None:
+        """The acceptance at ``batch_size``, or at the nearest size where the arm was measured (None: never)."""
+        if batch_size in self.accept or not self.accept:
+            return self.accept.get(batch_size)
+        return self.accept[min(self.accept, key=lambda b: abs(b - batch_size))]
+
     def tau(self, batch_size: int) -> float:
         """τ at ``batch_size``, or at the nearest size where the arm was measured (1.0: never)."""
-        if batch_size in self.accept:
-            return self.accept[batch_size].tau
-        if not self.accept:
-            return 1.0
-        return self.accept[min(self.accept, key=lambda b: abs(b - batch_size))].tau
+        accept = self.acceptance(batch_size)
+        return 1.0 if accept is None else accept.tau
 
 
 def _losses(rates: dict[tuple[str, int], float]) -> dict[tuple[str, int], float]:
@@ -230,7 +233,7 @@ class Controller:
             self.last, self.probing = plan[3], False
             return self.last
         arms = self.arms if available is None else [a for a in self.arms if a[0] in available]
-        # Each arm's estimated cost and throughput once per step (the step's Python is overhead on every step).
+        # Each arm's estimated cost and throughput once per choice (its Python is overhead on a step).
         costs = {a: self.cost(a, batch_size) for a in arms}
         rates = {a: self.throughput(a, batch_size, c) for a, c in costs.items()}
         loss = _losses(rates)
@@ -360,10 +363,10 @@ class Controller:
             # A new size starts from the nearest size's acceptance, weighted as ``tau_prior`` rows: at one request a
             # cell sees a row a step, and started empty, one probe's row (accepted 0 to the whole tree) made an arm
             # look best or worthless there for the next hundred steps.
-            near = stats.accept[min(stats.accept, key=lambda b: abs(b - batch_size))] if stats.accept else None
-            accept = Acceptance()
-            if near is not None:
-                accept = Acceptance(list(near.reach), min(near.rows, self.tau_prior), near.tau)
+            near = stats.acceptance(batch_size)
+            accept = (
+                Acceptance() if near is None else Acceptance(list(near.reach), min(near.rows, self.tau_prior), near.tau)
+            )
             stats.accept[batch_size] = accept
         for row in rows:
             depth = int(row.event.tree.depths().max()) if row.event.tree.size else 0
