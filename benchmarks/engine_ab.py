@@ -8,7 +8,9 @@ each in turn (forward, then backward order), so every engine sees the same machi
 left is that of single steps, and ratios are good to about half a percent. Each engine keeps ``concurrency``
 requests live (a finished request is replaced before the next step; the first ones end after 8, 16, ... tokens so
 that rows finish at different steps, as in a server), sampled at ``--temperature`` with a seed per request, and is
-charged the wall time of its own steps, admissions (prefill) included. No HTTP and no tokenizer: the server's own
+charged the wall time of its own steps, admissions (prefill) included. The engines live through the three
+concurrencies, as a server's engine does through changes of load (the controller keeps what it measured), with
+``--warmup`` seconds of steps before each is measured. No HTTP and no tokenizer: the server's own
 work per request is the same for every configuration. Ratios come with the standard error over blocks of
 ``--block`` seconds; a second plain engine ("plain again") is the noise control.
 
@@ -73,7 +75,7 @@ class Lane:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=60.0, help="measured seconds per concurrency (all engines)")
-    p.add_argument("--warmup", type=float, default=5.0, help="seconds of steps before measuring")
+    p.add_argument("--warmup", type=float, default=10.0, help="seconds of steps before measuring, per concurrency")
     p.add_argument("--block", type=float, default=2.0, help="seconds per block of the standard error")
     p.add_argument("--configs", default="none:0,recycling:8,recycling:16,ddtree:16,auto:0")
     p.add_argument("--target", default="checkpoints/target_tiny")
@@ -94,13 +96,15 @@ def main() -> None:
     print(f"tokens per second of engine time as ratio to plain decoding (T={args.temperature}, {args.seconds:.0f} s "
           f"of alternating steps); ± the standard error over {args.block:.0f} s blocks")  # fmt: skip
     print(f"{'concurrency':>11} {'plain tok/s':>11} " + " ".join(f"{n:>16}" for n in names[1:]))
+    lanes = []
+    for tree, budget in configs:
+        neural = args.neural_tree if tree == "auto" else None
+        policy, trees = policy_for(tree, budget, neural)
+        engine = BatchEngine(target, drafter, trees, policy, TreeOptions.parse([]), max_batch=16)
+        lanes.append(Lane(engine, prompts, CONCURRENCY[0], args.max_tokens, args.temperature))
     for concurrency in CONCURRENCY:
-        lanes = []
-        for tree, budget in configs:
-            neural = args.neural_tree if tree == "auto" else None
-            policy, trees = policy_for(tree, budget, neural)
-            engine = BatchEngine(target, drafter, trees, policy, TreeOptions.parse([]), max_batch=16)
-            lanes.append(Lane(engine, prompts, concurrency, args.max_tokens, args.temperature))
+        for lane in lanes:
+            lane.concurrency = concurrency
         totals = [[0, 0.0] for _ in lanes]
         blocks: list[list[float]] = []
         block = [[0, 0.0] for _ in lanes]
