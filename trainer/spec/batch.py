@@ -376,6 +376,7 @@ class BatchEngine:
         """Prefill alone; the request's one-row cache, or None when it already finished."""
         request.sessions = self._sessions()
         sessions = list(request.sessions.values())
+        speculating = self.policy.speculating()
         layer_ids = tuple(sorted({i for s in sessions for i in s.layer_ids}))
         cache = DynamicCache(config=self.target.config)
         prompt = request.prompt.to(self.device)
@@ -383,14 +384,13 @@ class BatchEngine:
             out = self.target(
                 input_ids=prompt[None],
                 use_cache=True,
-                logits_to_keep=0 if self._prompt_logits(sessions) else 1,
+                logits_to_keep=0 if self._prompt_logits(sessions, speculating) else 1,
                 **{self.cache_kw: cache},
             )
         logits = out.logits[0].float()
         if self.prefill_topk and logits.shape[0] == prompt.numel():
             request.prefill_topk = logits.topk(min(self.prefill_topk, logits.shape[-1]), dim=-1).indices
         request.tokens = [request.sampling.next_token(logits[-1], request.generator)]
-        speculating = self.policy.speculating()
         for session in sessions:
             # The shared adjacency learns a prompt, as it learns a plain step's nodes, only while the policy may
             # soon draft: a top-k per admitted prompt is otherwise work for nothing.
@@ -405,12 +405,13 @@ class BatchEngine:
             self._finish(request, "length")
         return None if request.finished else cache
 
-    def _prompt_logits(self, sessions: list[DraftSession]) -> bool:
+    def _prompt_logits(self, sessions: list[DraftSession], speculating: bool) -> bool:
         """Prefill computes every prompt position's logits when a session learns from them and either the policy
-        is drafting or the verifier log wants the prompt's top-k (``prefill_topk``, the graft daemon's evidence).
-        Otherwise only the last position's: a session then learns from that one (``RecyclingSession.start``)."""
+        is drafting (``speculating``) or the verifier log wants the prompt's top-k (``prefill_topk``, the graft
+        daemon's evidence). Otherwise only the last position's: a request's own session then learns from that one
+        (a Graft session's memory, ``RecyclingSession.start``); the shared adjacency learns nothing then."""
         needed = any(s.needs_prompt_logits for s in sessions)
-        return needed and (self.prefill_topk > 0 or self.policy.speculating())
+        return needed and (self.prefill_topk > 0 or speculating)
 
     def _admit(self) -> None:
         while len(self.rows) < self.max_batch and not self.pending.empty():

@@ -239,7 +239,7 @@ class Controller:
         loss = _losses(rates)
         # At the recent batch size and against every arm, for readiness: an arm that is best but not available
         # now is what readiness brings back. Usually the same figures as the step's (computed once then).
-        typical = max(1, round(self.load))
+        typical = self._typical()
         if typical == batch_size and len(arms) == len(self.arms):
             self.losses = loss
         else:
@@ -281,6 +281,10 @@ class Controller:
         held = not untried and self.last == best
         self.plan = (batch_size, available, self.steps + self.replan - 1, best) if held else None
         return self.last
+
+    def _typical(self) -> int:
+        """The recent batch size, rounded (1 before any step)."""
+        return max(1, round(self.load or 1))
 
     def _near_best(self, arm: tuple[str, int]) -> bool:
         """Never measured, or within ``ready_margin`` of the best estimate at the recent batch size."""
@@ -380,7 +384,7 @@ class Controller:
 
     def taus(self) -> dict[str, float]:
         """The τ estimate of every arm at the recent batch size, keyed ``"tree@budget"`` (for /metrics)."""
-        typical = max(1, round(self.load or 1))
+        typical = self._typical()
         return {f"{tree}@{budget}": s.tau(typical) for (tree, budget), s in self.stats.items()}
 
 
