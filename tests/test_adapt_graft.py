@@ -596,8 +596,9 @@ def test_sigkill_then_restart_publishes_the_uninterrupted_matrix(tmp_path, targe
 @pytest.mark.parametrize("steal", [False, True])
 def test_decode_workers_publish_what_in_process_decoding_publishes(tmp_path, target, monkeypatch, steal):
     """Full batches go to worker processes, short ones are decoded in the daemon, and so are full ones the daemon
-    takes over after waiting on a worker (``steal``: from the first batch on; else never): the
-    published matrices, the quarantine and the counters are those of a daemon that decodes everything itself."""
+    takes over when the workers hold all they may and no result has arrived (``steal``: results never seem to
+    arrive early; else they always do, and the daemon waits for them): the published matrices, the quarantine and
+    the counters are those of a daemon that decodes everything itself."""
     # Batches decoded in the daemon's own process (at most one short batch, unless it takes full ones over).
     here: list[int] = []
 
@@ -610,7 +611,7 @@ def test_decode_workers_publish_what_in_process_decoding_publishes(tmp_path, tar
             self.decode = lambda lines: here.append(len(lines)) or decode(lines)
 
     monkeypatch.setattr(graft_module, "Decoding", Counting)
-    monkeypatch.setattr(graft_module, "_STEAL_WAIT", 0.0 if steal else math.inf)
+    monkeypatch.setattr(Decoding, "arrived", lambda self, pending: not steal)
     logs = tmp_path / "logs"
     make_logs(logs, segments=2)
     config = GraftConfig(batch_records=16, rows=400, tenant_rows=40)

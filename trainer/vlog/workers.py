@@ -141,8 +141,9 @@ class Decoding:
             raise UserError(f"--decode-workers must be >= 0, got {workers}")
         self.vocab_size, self.workers = vocab_size, workers
         self.decode = BatchDecoder(vocab_size)
-        # Batches in flight: one being decoded and one waiting per worker.
-        self.ahead = 2 * workers
+        # Batches in flight: one being decoded and two waiting per worker (a batch the parent decodes meanwhile
+        # takes longer than one of the worker's).
+        self.ahead = 3 * workers
         self._pool: list[_Worker] = []
         self._turn = 0
 
@@ -177,6 +178,14 @@ class Decoding:
         worker.batches.put(lines)
         return Pending(worker, lines)
 
+    def arrived(self, pending: Pending) -> bool:
+        """Whether the worker has begun to write the batch's result (or died): ``result`` then waits for no
+        decoding. Results come in submission order, so this says so only of the oldest batch a worker holds."""
+        if pending.worker not in self._pool:
+            return True
+        stdout = pending.worker.proc.stdout
+        return bool(select.select([stdout], [], [], 0)[0])
+
     def result(self, pending: Pending) -> Decoded:
         if pending.worker in self._pool:
             try:
@@ -205,12 +214,25 @@ def _serve(vocab_size: int) -> None:
     decode = BatchDecoder(vocab_size)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     _write_frame(stdout, _READY)
+    # Results are written from a thread of their own: a result (~4 MB for 1024 lines) is larger than the pipe,
+    # so its write lasts until the parent reads it, and the parent reads it only once it has applied the batch
+    # before. Written here, the next batch would wait for that (measured: a third of the worker's time).
+    results: queue.Queue = queue.Queue(maxsize=1)
+
+    def write() -> None:
+        while (decoded := results.get()) is not None:
+            _write_frame(stdout, decoded)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
     while True:
         try:
             lines = _read_lines(stdin)
         except EOFError:
-            return
-        _write_frame(stdout, decode(lines))
+            break
+        results.put(decode(lines))
+    results.put(None)
+    writer.join()
 
 
 if __name__ == "__main__":
