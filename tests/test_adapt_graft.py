@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from itertools import pairwise
+from pathlib import Path
 
 import pytest
 import torch
@@ -672,6 +673,42 @@ def test_a_dead_decode_worker_costs_only_time():
     assert time.monotonic() - start < 5 and not decoding._pool
     with pytest.raises(UserError, match="--decode-workers must be >= 0"):
         Decoding(V, workers=-1)
+
+
+def test_a_worker_outlives_no_killed_parent(tmp_path):
+    """SIGKILL of a daemon whose worker holds results it has not read (more than the pipe holds, a batch queued
+    behind them): the worker exits."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import json, random, sys, time\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from test_adapt_graft import V, step\n"
+        "from trainer.vlog.workers import Decoding\n"
+        "rng = random.Random(0)\n"
+        "big = [json.dumps(step(rng, n=60)).encode() for _ in range(400)]\n"
+        "d = Decoding(V, 1)\n"
+        "d.start(wait=True)\n"
+        "for _ in range(4):\n"
+        "    d.submit(big)\n"
+        "print(d._pool[0].proc.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, str(script), str(ROOT / "tests")], stdout=subprocess.PIPE, text=True)
+    worker = int(parent.stdout.readline())
+    time.sleep(1.0)  # the worker decodes what it was given and blocks handing results over
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            # An exited worker nobody has reaped yet (an init that does not reap) is a zombie: state Z.
+            if Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.05)
+    os.kill(worker, signal.SIGKILL)
+    pytest.fail("the decode worker outlived its killed parent")
 
 
 def test_cli_names_a_bad_log_directory(tmp_path, capsys):

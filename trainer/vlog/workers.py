@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 import pickle
 import queue
 import select
@@ -220,8 +221,13 @@ def _serve(vocab_size: int) -> None:
     results: queue.Queue = queue.Queue(maxsize=1)
 
     def write() -> None:
-        while (decoded := results.get()) is not None:
-            _write_frame(stdout, decoded)
+        try:
+            while (decoded := results.get()) is not None:
+                _write_frame(stdout, decoded)
+        except OSError:
+            # The parent is gone (SIGKILL closes its end): nothing will read a result, and the decoding thread
+            # may be blocked handing one over.
+            os._exit(0)
 
     writer = threading.Thread(target=write, daemon=True)
     writer.start()
