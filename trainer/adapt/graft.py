@@ -570,41 +570,36 @@ class GraftDaemon:
         size = self.state.config.batch_records
         in_flight = 0
 
-        def ready() -> bool:
+        def oldest_ready() -> bool:
             return not isinstance(ahead[0][1], Pending) or self.decoder.arrived(ahead[0][1])
 
+        def take() -> tuple[list, Decoded | None, dict[str, int]]:
+            nonlocal in_flight
+            batch, work, offsets = ahead.popleft()
+            if isinstance(work, Pending):
+                in_flight -= 1
+                work = self.decoder.result(work)
+            return batch, work, offsets
+
         for batch in self._batches():
-            if len(batch) != size:
-                ahead.append((batch, None, dict(self.reader.offsets)))
-                while ahead:
-                    yield self._collect(ahead.popleft())
-                in_flight = 0
-                continue
             work = None
-            while ahead and in_flight >= self.decoder.ahead:
-                if not ready() and len(ahead) < 2 * self.decoder.ahead:
-                    work = self.decoder.decode(lines_of(batch))
-                    break
-                item = ahead.popleft()
-                in_flight -= isinstance(item[1], Pending)
-                yield self._collect(item)
-            if work is None:
-                work = self.decoder.submit(lines_of(batch))
+            if len(batch) == size:
+                while ahead and in_flight >= self.decoder.ahead:
+                    if not oldest_ready() and len(ahead) < 2 * self.decoder.ahead:
+                        work = self.decoder.decode(lines_of(batch))
+                        break
+                    yield take()
+                if work is None:
+                    work = self.decoder.submit(lines_of(batch))
             ahead.append((batch, work, dict(self.reader.offsets)))
             in_flight += isinstance(work, Pending)
             if work is None:
-                # No worker to take it (none configured, or still starting): decoded in order, here.
+                # A short or empty batch, or no worker to take it (none configured, or still starting): decoded
+                # here, after every batch before it.
                 while ahead:
-                    yield self._collect(ahead.popleft())
-                in_flight = 0
-            elif ready():
-                item = ahead.popleft()
-                in_flight -= isinstance(item[1], Pending)
-                yield self._collect(item)
-
-    def _collect(self, item: tuple[list, Decoded | Pending | None, dict[str, int]]) -> tuple:
-        batch, work, offsets = item
-        return batch, self.decoder.result(work) if isinstance(work, Pending) else work, offsets
+                    yield take()
+            elif oldest_ready():
+                yield take()
 
     def _prune_offsets(self) -> None:
         """Forget segments removed from the log directory (retention), so the state does not grow forever."""

@@ -180,8 +180,8 @@ class Decoding:
         return Pending(worker, lines)
 
     def arrived(self, pending: Pending) -> bool:
-        """Whether the worker has begun to write the batch's result (or died): ``result`` then waits for no
-        decoding. Results come in submission order, so this says so only of the oldest batch a worker holds."""
+        """Whether the worker has begun to write the batch's result (or died), so that ``result`` waits for no
+        decoding; meaningful for the oldest batch a worker holds (results come in submission order)."""
         if pending.worker not in self._pool:
             return True
         stdout = pending.worker.proc.stdout
