@@ -678,22 +678,22 @@ def test_a_dead_decode_worker_costs_only_time():
 def test_a_worker_outlives_no_killed_parent(tmp_path):
     """SIGKILL of a daemon whose worker holds results it has not read (more than the pipe holds, a batch queued
     behind them): the worker exits."""
+    rng = random.Random(0)
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps(step(rng, n=60)) + "\n" for _ in range(400)))
     script = tmp_path / "parent.py"
     script.write_text(
-        "import json, random, sys, time\n"
-        "sys.path.insert(0, sys.argv[1])\n"
-        "from test_adapt_graft import V, step\n"
+        "import sys, time\n"
         "from trainer.vlog.workers import Decoding\n"
-        "rng = random.Random(0)\n"
-        "big = [json.dumps(step(rng, n=60)).encode() for _ in range(400)]\n"
-        "d = Decoding(V, 1)\n"
+        "lines = open(sys.argv[1], 'rb').read().splitlines()\n"
+        f"d = Decoding({V}, 1)\n"
         "d.start(wait=True)\n"
         "for _ in range(4):\n"
-        "    d.submit(big)\n"
+        "    d.submit(lines)\n"
         "print(d._pool[0].proc.pid, flush=True)\n"
         "time.sleep(60)\n"
     )
-    parent = subprocess.Popen([sys.executable, str(script), str(ROOT / "tests")], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, str(script), str(batch)], stdout=subprocess.PIPE, text=True)
     worker = int(parent.stdout.readline())
     time.sleep(1.0)  # the worker decodes what it was given and blocks handing results over
     parent.kill()
