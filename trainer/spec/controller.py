@@ -268,7 +268,7 @@ class Controller:
             # runs and the budget saves up. Cheaper probes of fresher arms do not jump the queue: spending the
             # budget as it refilled, they starved an expensive arm whose sessions every row carried meanwhile
             # (at eight requests, drafter sessions on every row cost 3.5% of a plain step).
-            stalest = lambda a: self.stats[a].cost.get(batch_size, [0.0, -1, 0])[1]  # noqa: E731
+            stalest = lambda a: self._measured_step(a, batch_size)  # noqa: E731
             # A due neural builder whose sessions every row now carries is probed at once, on credit: waiting
             # for the budget would cost those sessions on every step meanwhile.
             due_trees = {tree for tree in self.neural if self.due(tree)}
@@ -298,8 +298,11 @@ class Controller:
         charged as a probe's)."""
         if best == PLAIN or PLAIN not in loss:
             return False
-        last = self.stats[PLAIN].cost.get(batch_size, [0.0, -1, 0])[1]
-        return self.steps - last >= self.recheck / self._worth([loss[PLAIN]])
+        return self.steps - self._measured_step(PLAIN, batch_size) >= self.recheck / self._worth([loss[PLAIN]])
+
+    def _measured_step(self, arm: tuple[str, int], batch_size: int) -> int:
+        """The step at which ``arm`` was last measured at ``batch_size`` (-1: never)."""
+        return self.stats[arm].cost.get(batch_size, [0.0, -1, 0])[1]
 
     def _typical(self) -> int:
         """The recent batch size, rounded (1 before any step)."""
