@@ -119,6 +119,27 @@ def test_drafting_state_keeps_learning_only_while_a_drafting_arm_is_nearly_best(
     assert controller.speculating() is keeps_learning
 
 
+@pytest.mark.parametrize(("steps", "keeps_learning"), [(5, False), (60, True)])
+def test_an_arm_measured_over_few_rows_is_kept_ready_only_once_its_acceptance_is_known(steps, keeps_learning):
+    # Recycling's rows accept 0 or 2 drafts in turn: τ 2 with a spread of 1, 4 x 2 / 0.0205 = 390 tokens/s against
+    # plain's 400, 2.4% behind. Over 20 rows τ's standard error is 11%, beyond what a full window of ~200 rows
+    # leaves (3.5%): judged one such error lower, 13% behind, the arm is not kept learning; over 240 rows it is.
+    controller = Controller([("none", 0), ("recycling", 8)], probe_share=0.0, probe_grace=0.0)
+    plain = StepEvent(0, 0, 0, Tree.from_lists([0], [-1]), [0], 0, torch.zeros(1), {}, 0, "none")
+    tree = chain(0, torch.arange(1, 9), 8)
+    rows = [
+        RowStep(None, StepEvent(0, 0, 0, tree, list(range(accepted + 1)), 0, torch.zeros(1), {}, 8, "recycling"),
+                [0] * (accepted + 1))
+        for accepted in (0, 2, 0, 2)
+    ]  # fmt: skip
+    for _ in range(steps):
+        controller.observe("none", 0, 4, [RowStep(None, plain, [0])] * 4, 0.01)
+        controller.observe("recycling", 8, 4, rows, 0.0205)
+    assert controller.stats["recycling", 8].tau(4) == pytest.approx(2.0, abs=0.02)
+    assert controller.choose(4) == ("none", 0)
+    assert controller.speculating() is keeps_learning
+
+
 def test_a_slower_machine_does_not_make_an_arm_measured_earlier_look_better():
     # Plain 4 / 0.01 = 400 tokens/s, recycling 4 x 2 / 0.0227 = 352: 12% behind, outside the 5% ready margin.
     # Measured as a server would have: plain decoding every step, recycling now and then.

@@ -73,7 +73,12 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   learn for recycling (in process at four requests a ready controller's plain steps took 11.43 ms against a plain
   engine's 10.65 ms, 7% more). Being ready also makes the arm better (its adjacency warm), so a margin wider than
   that cost held itself: at four requests, recycling 15-16% behind, a 10% margin ended ready in three of six
-  runs (0.93-0.95x plain decoding in those), a 5% margin in none of five (0.98-1.00x).
+  runs (0.93-0.95x plain decoding in those), a 5% margin in none of five (0.98-1.00x). An arm whose τ at the
+  size rests on fewer rows than the acceptance window is judged with τ one standard error lower, as far as that
+  error exceeds a full window's (``Acceptance.doubt``): after a stretch at one request, recycling@8's τ at four
+  rested on the prior from one request and ~40 rows of probes (1.63 where a fixed engine realised 1.50), put it 4%
+  behind plain decoding where it ran 15% behind, and the controller stayed ready for 91% of its steps, at 0.93x
+  plain decoding (in process); its rows' spread (a row accepts 0 to the whole tree) makes that error 8% there.
 
 Probing is budgeted in lost throughput, not steps, because one probe of an expensive arm (a neural tree of 16
 nodes per row at batch 8) can cost as much as dozens of plain steps, while an arm within a few percent of the
@@ -107,6 +112,17 @@ class Acceptance:
     rows: int = 0
     # 1 + Σ reach, kept with it (read for every arm at every choice).
     tau: float = 1.0
+    # EMA of the square of a row's accepted length + 1 (over the same rows): the spread of τ's rows.
+    square: float = 1.0
+
+    def doubt(self, decay: float) -> float:
+        """How optimistic ``tau`` may be for want of rows: its standard error as a share of it, as far as that
+        exceeds the error of an average over the whole window (an EMA of rate ``decay`` weighs about
+        ``2 / decay`` rows); 0 from a full window on."""
+        excess = (1 / self.rows if self.rows else 0.0) - decay / (2 - decay)
+        if excess <= 0:
+            return 0.0
+        return math.sqrt(max(self.square - self.tau**2, 0.0) * excess) / self.tau
 
 
 @dataclass
@@ -309,8 +325,16 @@ class Controller:
         return max(1, round(self.load or 1))
 
     def _near_best(self, arm: tuple[str, int]) -> bool:
-        """Never measured, or within ``ready_margin`` of the best estimate at the recent batch size."""
-        return arm not in self.measured_at or self.losses.get(arm, 0.0) <= self.ready_margin
+        """Never measured, the best estimate, or within ``ready_margin`` of it at the recent batch size with its τ
+        one standard error lower."""
+        loss = self.losses.get(arm, 0.0)
+        if arm not in self.measured_at or loss == 0.0:
+            return True
+        if loss > self.ready_margin:
+            return False
+        accept = self.stats[arm].acceptance(self._typical())
+        doubt = 0.0 if accept is None else accept.doubt(self.tau_decay)
+        return 1.0 - (1.0 - loss) * (1.0 - doubt) <= self.ready_margin
 
     def _worth(self, losses: Iterable[float]) -> float:
         """What looking at arms with these ``losses`` against the best estimate is worth, as a share of the probing
@@ -391,7 +415,9 @@ class Controller:
             # look best or worthless there for the next hundred steps.
             near = stats.acceptance(batch_size)
             accept = (
-                Acceptance() if near is None else Acceptance(list(near.reach), min(near.rows, self.tau_prior), near.tau)
+                Acceptance()
+                if near is None
+                else Acceptance(list(near.reach), min(near.rows, self.tau_prior), near.tau, near.square)
             )
             stats.accept[batch_size] = accept
         for row in rows:
@@ -402,6 +428,7 @@ class Controller:
             # A depth this tree did not reach counts as not reached: τ is what the arm's trees deliver.
             for d, reach in enumerate(accept.reach, 1):
                 accept.reach[d - 1] = reach + rate * (float(len(row.event.path) > d) - reach)
+            accept.square += rate * (min(len(row.event.path), len(accept.reach) + 1) ** 2 - accept.square)
         accept.tau = 1.0 + sum(accept.reach)
 
     def taus(self) -> dict[str, float]:
