@@ -10,7 +10,7 @@ import numpy as np
 import orjson
 import pytest
 
-from trainer.vlog.columns import BatchDecoder, StepColumns, decode_batch
+from trainer.vlog.columns import LOGPROB_DTYPE, BatchDecoder, StepColumns, decode_batch
 from trainer.vlog.schema import RecordError, decode, request_record, step_record
 
 V = 300
@@ -176,7 +176,10 @@ def test_a_clean_batch_is_decoded_entirely_on_the_fast_path_with_exact_values():
     got = decoder(lines)
     assert not got.errors and not got.requests
     assert_columns_equal(got.steps, StepColumns.from_records(records))
-    assert got.steps.topk_logprobs.tolist() == [x for r in records for row in r["topk_logprobs"] for x in row]
+    logged = np.array([x for r in records for row in r["topk_logprobs"] for x in row])
+    # Kept at the precision the daemon's weights use: each logged value rounded once, to the nearest float32.
+    assert got.steps.topk_logprobs.dtype == LOGPROB_DTYPE
+    assert got.steps.topk_logprobs.tolist() == logged.astype(LOGPROB_DTYPE).tolist()
 
 
 def test_one_bad_record_among_good_ones_is_rejected_alone():

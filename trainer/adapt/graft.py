@@ -157,7 +157,7 @@ def step_evidence(steps: StepColumns, servers: np.ndarray, candidates: int) -> E
         block = steps.select(index)
         width = int(block.k[0])
         ids = torch.from_numpy(block.topk_ids).view(-1, width)[:, :k]
-        lp = torch.from_numpy(block.topk_logprobs.astype(np.float32)).view(-1, width)[:, :k]
+        lp = torch.from_numpy(block.topk_logprobs).view(-1, width)[:, :k]
         rows.append(torch.from_numpy(block.rows))
         cands.append(_pad(ids, k, -1))
         weights.append(_pad(torch.round(lp.exp().clamp(max=1.0) * SCALE).long(), k, 0))

@@ -36,10 +36,16 @@ _HEAD = tuple(FIELD_TYPES)
 # Every combination of their allowed types, so that one set lookup checks all fifteen.
 _SIGNATURES = frozenset(product(*FIELD_TYPES.values()))
 _V, _STEP, _BUDGET, _POS, _ROOT, _BONUS, _MS = map(_HEAD.index, ("v", "step", "budget", "pos", "root", "bonus", "ms"))
+_SERVER, _TENANT, _SHAREABLE = map(_HEAD.index, ("server", "tenant", "shareable"))
 # Fields of a v1 step record: the head and the five lists.
 _FIELDS = len(_HEAD) + 5
 # The largest finite float: an int duration above it is not finite for ``validate`` either.
 _FLOAT_MAX = sys.float_info.max
+# Top-k ids and log-probs as the graft daemon uses them (``trainer.adapt.graft.step_evidence``): ids below any
+# vocabulary size a decoder takes (< 2**31), log-probs at the precision its weights are computed in (checked in
+# float64 first). Half the bytes a decode worker hands back.
+ID_DTYPE = np.int32
+LOGPROB_DTYPE = np.float32
 
 
 @dataclass
@@ -57,7 +63,7 @@ class StepColumns:
     k: np.ndarray
     # Shape: (R + 1,) record r's top-k entries are topk_ids[topk_start[r]:topk_start[r + 1]], row-major (node, k).
     topk_start: np.ndarray
-    # Shape: (Σ nodes_r · k_r,) int64 ids and float64 log-probs.
+    # Shape: (Σ nodes_r · k_r,) ids (``ID_DTYPE``) and log-probs (``LOGPROB_DTYPE``).
     topk_ids: np.ndarray
     topk_logprobs: np.ndarray
 
@@ -72,7 +78,7 @@ class StepColumns:
     def empty(cls) -> StepColumns:
         zero = np.zeros(1, dtype=np.int64)
         none = np.zeros(0, dtype=np.int64)
-        return cls([], [], [], zero, none, none, zero, none, np.zeros(0, dtype=np.float64))
+        return cls([], [], [], zero, none, none, zero, np.zeros(0, ID_DTYPE), np.zeros(0, LOGPROB_DTYPE))
 
     @classmethod
     def from_records(cls, records: list[dict]) -> StepColumns:
@@ -82,7 +88,7 @@ class StepColumns:
         counts = np.array([len(r["tokens"]) + 1 for r in records], dtype=np.int64)
         k = np.array([len(r["topk_ids"][0]) for r in records], dtype=np.int64)
         rows = np.fromiter(chain.from_iterable(chain((r["root"],), r["tokens"]) for r in records), np.int64)
-        ids = np.fromiter(chain.from_iterable(chain.from_iterable(r["topk_ids"] for r in records)), np.int64)
+        ids = np.fromiter(chain.from_iterable(chain.from_iterable(r["topk_ids"] for r in records)), ID_DTYPE)
         logprobs = chain.from_iterable(chain.from_iterable(r["topk_logprobs"] for r in records))
         return cls(
             [r["server"] for r in records],
@@ -93,7 +99,7 @@ class StepColumns:
             k,
             _offsets(counts * k),
             ids,
-            np.fromiter(logprobs, np.float64),
+            np.fromiter(logprobs, np.float64).astype(LOGPROB_DTYPE),
         )
 
     def select(self, index: list[int] | np.ndarray) -> StepColumns:
@@ -169,7 +175,11 @@ class _Line(NamedTuple):
     """What one step line's parse leaves for the vectorised checks (the buffers copied out of the document)."""
 
     index: int
-    head: dict
+    # The head fields the columns keep.
+    root: int
+    server: str
+    tenant: str | None
+    shareable: bool
     n: int
     k: int
     m: int
@@ -185,6 +195,8 @@ class BatchDecoder:
     """``decode_batch`` with one simdjson parser kept across batches."""
 
     def __init__(self, vocab_size: int) -> None:
+        if not 0 < vocab_size <= np.iinfo(ID_DTYPE).max + 1:
+            raise ValueError(f"vocab_size must be in [1, 2**31], got {vocab_size}")
         self.vocab_size = vocab_size
         self._parser = simdjson.Parser()
 
@@ -251,7 +263,8 @@ class BatchDecoder:
             if mask.any():
                 np.logical_or(bad, _bad_per_segment(mask, counts), out=bad)
 
-        reject(tokens >= vocab, n)
+        if tokens.size and tokens.max() >= vocab:
+            reject(tokens >= vocab, n)
         # Topological order: each parent is -1 (the root) or an earlier draft node.
         node_start = _offsets(n)
         local = np.arange(parents.size, dtype=np.int64) - np.repeat(node_start[:-1], n)
@@ -265,8 +278,11 @@ class BatchDecoder:
         at = np.clip(node_start[record] + accepted, 0, max(parents.size - 1, 0))
         parent = parents[at] if parents.size else np.full_like(accepted, -2)
         reject(~inside | (parent != previous), m)
-        reject(ids >= vocab, entries)
-        reject(~(logprobs <= LOGPROB_SLACK) | ~np.isfinite(logprobs), entries)
+        if ids.size and ids.max() >= vocab:
+            reject(ids >= vocab, entries)
+        # NaN makes both reductions NaN, -inf the first: a clean batch costs two reductions.
+        if logprobs.size and not (np.isfinite(logprobs.min()) and logprobs.max() <= LOGPROB_SLACK):
+            reject(~(logprobs <= LOGPROB_SLACK) | ~np.isfinite(logprobs), entries)
 
         good = np.flatnonzero(~bad)
         counts = n + 1
@@ -274,19 +290,19 @@ class BatchDecoder:
         rows = np.empty(int(root_at[-1]), dtype=np.int64)
         is_root = np.zeros(rows.size, dtype=bool)
         is_root[root_at[:-1]] = True
-        rows[is_root] = [p.head["root"] for p in parsed]
+        rows[is_root] = [p.root for p in parsed]
         rows[~is_root] = tokens
         columns = StepColumns(
-            [p.head["server"] for p in parsed],
-            [p.head["tenant"] for p in parsed],
-            [p.head["shareable"] for p in parsed],
+            [p.server for p in parsed],
+            [p.tenant for p in parsed],
+            [p.shareable for p in parsed],
             root_at,
             rows,
             k,
             _offsets(entries),
-            # Every id of a kept record is below the vocabulary size, so its bits read the same as int64.
-            ids.view(np.int64),
-            logprobs,
+            # A rejected record's ids may not fit; ``select`` drops them.
+            ids.astype(ID_DTYPE),
+            logprobs.astype(LOGPROB_DTYPE),
         )
         return columns.select(good), [parsed[i].index for i in np.flatnonzero(bad)]
 
@@ -310,7 +326,6 @@ def _fields(index: int, line: bytes, doc: object, vocab_size: int) -> _Line | No
     del ms
     if not _head_valid(values, vocab_size):
         return None
-    head = dict(zip(_HEAD, values, strict=True))
     budget = values[_BUDGET]
     tokens, parents, accepted = doc["tokens"], doc["parents"], doc["accepted"]
     ids, logprobs = doc["topk_ids"], doc["topk_logprobs"]
@@ -332,7 +347,10 @@ def _fields(index: int, line: bytes, doc: object, vocab_size: int) -> _Line | No
         return None
     return _Line(
         index,
-        head,
+        values[_ROOT],
+        values[_SERVER],
+        values[_TENANT],
+        values[_SHAREABLE],
         n,
         k,
         len(accepted),
