@@ -5,6 +5,7 @@ rejects the rest with the reference's reason; valid step lines take its fast pat
 import json
 import math
 import random
+import warnings
 
 import numpy as np
 import orjson
@@ -180,6 +181,18 @@ def test_a_clean_batch_is_decoded_entirely_on_the_fast_path_with_exact_values():
     # Kept at the precision the daemon's weights use: each logged value rounded once, to the nearest float32.
     assert got.steps.topk_logprobs.dtype == LOGPROB_DTYPE
     assert got.steps.topk_logprobs.tolist() == logged.astype(LOGPROB_DTYPE).tolist()
+
+
+def test_a_log_prob_beyond_float32_is_kept_as_minus_infinity_without_a_warning():
+    # -1e300 is a finite log-prob (valid v1); at float32 it is -inf, i.e. weight 0 for the daemon.
+    record = valid_step(random.Random(5))
+    record["topk_logprobs"][0][0] = -1e300
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast = decode_batch([orjson.dumps(record)], V)
+        reference = StepColumns.from_records([record])
+    assert not fast.errors and len(fast.steps) == 1
+    assert fast.steps.topk_logprobs[0] == reference.topk_logprobs[0] == -np.inf
 
 
 def test_one_bad_record_among_good_ones_is_rejected_alone():

@@ -99,7 +99,7 @@ class StepColumns:
             k,
             _offsets(counts * k),
             ids,
-            np.fromiter(logprobs, np.float64).astype(LOGPROB_DTYPE),
+            _narrow(np.fromiter(logprobs, np.float64)),
         )
 
     def select(self, index: list[int] | np.ndarray) -> StepColumns:
@@ -148,6 +148,12 @@ class Decoded:
     steps: StepColumns
     requests: list[dict]
     errors: list[tuple[int, RecordError]]
+
+
+def _narrow(logprobs: np.ndarray) -> np.ndarray:
+    """Log-probs as ``LOGPROB_DTYPE``; a finite one beyond its range becomes -inf (weight 0)."""
+    with np.errstate(over="ignore"):
+        return logprobs.astype(LOGPROB_DTYPE)
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
@@ -302,7 +308,7 @@ class BatchDecoder:
             _offsets(entries),
             # A rejected record's ids may not fit; ``select`` drops them.
             ids.astype(ID_DTYPE),
-            logprobs.astype(LOGPROB_DTYPE),
+            _narrow(logprobs),
         )
         return columns.select(good), [parsed[i].index for i in np.flatnonzero(bad)]
 
