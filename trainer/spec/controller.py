@@ -96,7 +96,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from trainer.spec.batch import Fixed, Policy, RowStep
 
@@ -414,11 +414,8 @@ class Controller:
             # cell sees a row a step, and started empty, one probe's row (accepted 0 to the whole tree) made an arm
             # look best or worthless there for the next hundred steps.
             near = stats.acceptance(batch_size)
-            accept = (
-                Acceptance()
-                if near is None
-                else Acceptance(list(near.reach), min(near.rows, self.tau_prior), near.tau, near.square)
-            )
+            prior = min(near.rows, self.tau_prior) if near is not None else 0
+            accept = Acceptance() if near is None else replace(near, reach=list(near.reach), rows=prior)
             stats.accept[batch_size] = accept
         for row in rows:
             depth = int(row.event.tree.depths().max()) if row.event.tree.size else 0

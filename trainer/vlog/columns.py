@@ -269,8 +269,12 @@ class BatchDecoder:
             if mask.any():
                 np.logical_or(bad, _bad_per_segment(mask, counts), out=bad)
 
-        if tokens.size and tokens.max() >= vocab:
-            reject(tokens >= vocab, n)
+        def reject_ids(ids: np.ndarray, counts: np.ndarray) -> None:
+            # Unsigned, so only the top is checked: one reduction for a clean batch, the mask only when it fails.
+            if ids.size and ids.max() >= vocab:
+                reject(ids >= vocab, counts)
+
+        reject_ids(tokens, n)
         # Topological order: each parent is -1 (the root) or an earlier draft node.
         node_start = _offsets(n)
         local = np.arange(parents.size, dtype=np.int64) - np.repeat(node_start[:-1], n)
@@ -284,8 +288,7 @@ class BatchDecoder:
         at = np.clip(node_start[record] + accepted, 0, max(parents.size - 1, 0))
         parent = parents[at] if parents.size else np.full_like(accepted, -2)
         reject(~inside | (parent != previous), m)
-        if ids.size and ids.max() >= vocab:
-            reject(ids >= vocab, entries)
+        reject_ids(ids, entries)
         # NaN makes both reductions NaN, -inf the first: a clean batch costs two reductions.
         if logprobs.size and not (np.isfinite(logprobs.min()) and logprobs.max() <= LOGPROB_SLACK):
             reject(~(logprobs <= LOGPROB_SLACK) | ~np.isfinite(logprobs), entries)
