@@ -7,9 +7,11 @@ there. Here the engines that ``trainer serve --tree T --budget B`` would run sha
 each in turn (forward, then backward order), so every engine sees the same machine to within a step: the noise
 left is that of single steps, and ratios are good to about half a percent. Each engine keeps ``concurrency``
 requests live (a finished request is replaced before the next step; the first ones end after 8, 16, ... tokens so
-that rows finish at different steps, as in a server), sampled at ``--temperature`` with a seed per request, and is
-charged the wall time of its own steps, admissions (prefill) included. The engines live through the three
-concurrencies, as a server's engine does through changes of load (the controller keeps what it measured), with
+that rows finish at different steps, as in a server) on distinct prompts (those of ``benchmarks/serve.py``) cut to
+``--prompt-tokens`` tokens each (lanes that decoded at different speeds hold different prompts; of different
+lengths they made a lane's steps 2-4% dearer in cache columns alone), sampled at ``--temperature`` with a seed per
+request, and is charged the wall time of its own steps, admissions (prefill) included. The engines live through
+the three concurrencies, as a server's engine does through changes of load (the controller keeps what it measured), with
 ``--warmup`` seconds of steps before each is measured. No HTTP and no tokenizer: the server's own
 work per request is the same for every configuration. Ratios come with the standard error over blocks of
 ``--block`` seconds; a second plain engine ("plain again") is the noise control.
@@ -20,13 +22,11 @@ work per request is the same for every configuration. Ratios come with the stand
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from serve import configurations  # benchmarks/serve.py, beside this script
+from serve import configurations, request_prompts  # benchmarks/serve.py, beside this script
 from transformers import AutoTokenizer
 
 from trainer.paths import project_path
@@ -83,7 +83,8 @@ def main() -> None:
     p.add_argument("--neural-tree", default="ddtree", help="the drafter's builder the controller may choose")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompts", type=Path, default=project_path("data/prompts/stdlib_heldout.jsonl"))
+    p.add_argument("--per-module", type=int, default=40, help="prompts per held-out stdlib module (at most)")
+    p.add_argument("--prompt-tokens", type=int, default=96, help="tokens of every prompt (the last ones)")
     p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True, help="a second plain engine")
     args = p.parse_args()
     configs, names = configurations(args.configs, args.control)
@@ -91,8 +92,10 @@ def main() -> None:
     target = load_causal_lm(str(project_path(args.target))).eval()
     tokenizer = AutoTokenizer.from_pretrained(project_path(args.target))
     drafter = load_drafter(project_path(args.drafter))
-    texts = [json.loads(line)["prompt"][-400:] for line in args.prompts.read_text().splitlines() if line.strip()]
-    prompts = [tokenizer(text)["input_ids"] for text in texts]
+    texts = request_prompts(args.per_module)
+    # Every prompt has the same number of tokens, so a step's cost does not depend on which prompts a lane's rows
+    # hold: lanes that decoded at different speeds before are at different places in the list.
+    prompts = [ids[-args.prompt_tokens :] for ids in tokenizer(texts)["input_ids"] if len(ids) >= args.prompt_tokens]
     print(f"tokens per second of engine time as ratio to plain decoding (T={args.temperature}, {args.seconds:.0f} s "
           f"of alternating steps); ± the standard error over {args.block:.0f} s blocks")  # fmt: skip
     print(f"{'concurrency':>11} {'plain tok/s':>11} " + " ".join(f"{n:>16}" for n in names[1:]))

@@ -7,8 +7,13 @@ concurrency every server takes turns, ``--rounds`` times, so machine noise hits 
 ``--seconds`` window that starts ``--ramp`` seconds in, so neither the ramp-up nor the drain of a turn is measured.
 On this 2-core machine the CPU's speed wanders by ~5% between adjacent seconds and a server process can run a few
 percent slower than an identical one for its whole life (memory layout), hence short turns, many rounds and
-several processes per configuration. Clients send held-out stdlib prompts with lossless sampling at
-``--temperature`` (the tiny target loops under greedy decoding, which would flatter copying drafters). A warm-up
+several processes per configuration. Clients send prompts cut from held-out stdlib modules (``--per-module`` per
+module, :func:`trainer.tiny.prompts.build_prompts`) with lossless sampling at ``--temperature`` (the tiny target
+loops under greedy decoding, which would flatter copying drafters), each request a new prompt and seed: every
+server gets the same requests in a turn, and no server sees a request twice (the 82 prompts of
+``data/prompts/stdlib_heldout.jsonl`` sent again each turn under the same seeds repeated whole outputs, which
+the recycling adjacency had learnt: recycling@8's τ at four requests was 1.65 in the server and 1.51 in
+process, and the controller chose it where it ran behind plain decoding). A warm-up
 turn per server and concurrency lets the controller measure its arms first; each round starts one server later
 than the one before, and a second set of plain servers ("plain again", ``--no-control`` leaves it out) shows how
 far identical configurations differ in the same run.
@@ -19,16 +24,16 @@ far identical configurations differ in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import threading
 import time
-from pathlib import Path
 
 import httpx
+from transformers import AutoTokenizer
 
 from trainer.paths import project_path
 from trainer.serve.process import ServerProcess
+from trainer.tiny.prompts import build_prompts
 
 CONCURRENCY = (1, 4, 8)
 
@@ -54,15 +59,27 @@ def configurations(text: str, control: bool) -> tuple[list[tuple[str, int]], lis
     return configs, names
 
 
+# Requests one turn may send at most (a turn of 3.5 s at eight requests sends ~25): turn t's requests are numbered
+# from t * TURN_REQUESTS, so turns never share a request.
+TURN_REQUESTS = 256
+
+
+def request_prompts(per_module: int) -> list[str]:
+    """Distinct prompts from held-out stdlib modules, ``per_module`` per module (at most)."""
+    tokenizer = AutoTokenizer.from_pretrained(project_path("checkpoints/target_tiny"))
+    return [row["prompt"] for row in build_prompts(tokenizer, per_module)]
+
+
 def load(url: str, prompts: list[str], concurrency: int, ramp: float, seconds: float, temperature: float,
-         max_tokens: int) -> float:  # fmt: skip
+         max_tokens: int, first: int = 0) -> float:  # fmt: skip
     """Tokens per second the server at ``url`` produced between ``ramp`` and ``ramp + seconds`` while
-    ``concurrency`` clients looped over ``prompts``; the clients then finish their requests."""
+    ``concurrency`` clients sent requests numbered from ``first`` (request ``i``: prompt ``i`` of ``prompts``,
+    cyclically, and seed ``i``); the clients then finish their requests."""
     stop = threading.Event()
 
     def client(n: int) -> None:
         with httpx.Client(timeout=300) as http:
-            i = n
+            i = first + n
             while not stop.is_set():
                 body = {"model": "target_tiny", "prompt": prompts[i % len(prompts)], "max_tokens": max_tokens,
                         "temperature": temperature, "seed": i}  # fmt: skip
@@ -91,12 +108,12 @@ def main() -> None:
     p.add_argument("--configs", default="none:0,recycling:16,ddtree:16,auto:0")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompts", type=Path, default=project_path("data/prompts/stdlib_heldout.jsonl"))
+    p.add_argument("--per-module", type=int, default=40, help="prompts per held-out stdlib module (at most)")
     control = "a second set of plain servers taking turns like the others: its ratio is the benchmark's own noise"
     p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True, help=control)
     args = p.parse_args()
     configs, names = configurations(args.configs, args.control)
-    prompts = [json.loads(line)["prompt"][-400:] for line in args.prompts.read_text().splitlines() if line.strip()]
+    prompts = request_prompts(args.per_module)
     # (configuration index, replica) -> server; the control is a second set of the first configuration.
     servers = {}
     for r in range(args.replicas):
@@ -105,16 +122,20 @@ def main() -> None:
     # (concurrency, configuration index, round) -> tokens/s of each of its replicas' turns.
     rates: dict[tuple[int, int, int], list[float]] = {}
     try:
+        turn = 0
         for concurrency in CONCURRENCY:
+            turn += 1
             for server in servers.values():
-                load(server.url, prompts, concurrency, args.ramp, args.seconds, args.temperature, args.max_tokens)
+                load(server.url, prompts, concurrency, args.ramp, args.seconds, args.temperature, args.max_tokens,
+                     turn * TURN_REQUESTS)  # fmt: skip
             for round_ in range(args.rounds):
+                turn += 1
                 # Each round starts one server later, so no server always takes its turn after the same one.
                 order = list(servers.items())
                 order = order[round_ % len(order) :] + order[: round_ % len(order)]
                 for (config, _), server in order:
                     rate = load(server.url, prompts, concurrency, args.ramp, args.seconds, args.temperature,
-                                args.max_tokens)  # fmt: skip
+                                args.max_tokens, turn * TURN_REQUESTS)  # fmt: skip
                     rates.setdefault((concurrency, config, round_), []).append(rate)
     finally:
         for server in servers.values():
