@@ -11,7 +11,7 @@ import torch
 from trainer.spec.batch import RowStep
 from trainer.spec.controller import Controller
 from trainer.spec.engine import StepEvent
-from trainer.spec.tree import Tree, chain
+from trainer.spec.tree import NestedTree, Tree, chain
 
 
 def simulate(costs, accept, batch_sizes, steps=12000, seed=0, schedule=None, **options):
@@ -336,3 +336,21 @@ def test_an_inflated_figure_of_plain_decoding_is_measured_again(recheck):
         assert controller.choose(4) == ("none", 0) and mine[4] >= 0.95 * best
     else:
         assert controller.choose(4) == ("recycling", 8) and mine[4] < 0.9 * best and plain_steps[0] <= 3
+
+
+def test_a_nested_tree_step_also_measures_every_smaller_budget_of_its_builder():
+    # A chain of four draft nodes whose ranks in the retrieval order are 1, 5, 9 and 12: recycling@8's tree holds
+    # the first two, @16's all four. Every row accepts three nodes.
+    tree = NestedTree(torch.arange(5), torch.arange(-1, 4), torch.tensor([0, 1, 5, 9, 12]))
+    event = StepEvent(0, 0, 0, tree, [0, 1, 2, 3], 0, torch.zeros(1), {}, 16, "recycling")
+    arms = [("none", 0), ("recycling", 8), ("recycling", 16), ("recycling", 32)]
+    controller = Controller(arms)
+    for _ in range(30):
+        controller.observe("recycling", 16, 2, [RowStep(None, event, [0] * 4)] * 2, 0.01)
+    # @8 would have accepted its whole tree (two nodes, depth 2): τ 3; @16 itself three of four: τ 4.
+    assert controller.stats["recycling", 8].accept[2].tau == pytest.approx(3.0)
+    assert controller.stats["recycling", 8].accept[2].rows == 60
+    assert controller.stats["recycling", 16].accept[2].tau == pytest.approx(4.0)
+    # A larger budget's tree is not inside this one: nothing is learnt for it, nor any cost for the others.
+    assert not controller.stats["recycling", 32].accept
+    assert not controller.stats["recycling", 8].cost

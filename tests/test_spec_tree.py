@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from trainer.spec.tree import (
+    NestedTree,
     Transitions,
     Tree,
     chain,
     ddtree,
     frontier_confidence,
     merge_trie,
+    prior_ranks,
     pruned_depth,
     recycling_template,
     retrieval,
@@ -20,6 +22,7 @@ from trainer.spec.tree import (
     template_by_prior,
     treeflash,
 )
+from trainer.spec.verify import Sampling, accept
 
 
 def surrogate(tree: Tree, score) -> float:
@@ -129,6 +132,46 @@ def test_retrieval_fills_from_adjacency_and_skips_unknown_and_duplicates():
     pairs = [(int(tree.tokens[tree.parents[i]]), int(tree.tokens[i])) for i in range(1, tree.size + 1)]
     # (2,) duplicates token 2, (0, 2) is unknown, (1, 0) hangs under 2 whose row is unknown, 3's row is unknown.
     assert pairs == [(5, 1), (5, 2), (1, 3), (1, 4)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_nested_retrieval_tree_tells_what_every_smaller_budget_would_have_accepted(seed):
+    # A sparse adjacency with unknown (-1) and repeated successors, so retrieval drops paths in both trees.
+    g = torch.Generator().manual_seed(seed)
+    vocab, width, shape = 12, 4, (32, 4, 0.5, 5)
+    adjacency = torch.randint(-1, vocab, (vocab, width), generator=g)
+    max_depth = 3 + seed % 3
+    big = retrieval(adjacency, 7, [p for p in recycling_template(*shape) if len(p) <= max_depth], prior_ranks(*shape))
+    assert isinstance(big, NestedTree)
+
+    def logits_of(tree: Tree) -> torch.Tensor:
+        # The target's logits after a node depend on the tokens from the root to it, not on the node's index; it
+        # leans to the adjacency's successors of the node's token, so walks go a few nodes deep.
+        rows = []
+        for i in range(tree.size + 1):
+            context, node = [], i
+            while node >= 0:
+                context.append(int(tree.tokens[node]))
+                node = int(tree.parents[node])
+            row = torch.randn(vocab, generator=torch.Generator().manual_seed(hash(tuple(context)) % 2**31))
+            known = adjacency[context[0]]
+            row[known[known >= 0]] += 2.0
+            rows.append(row)
+        return torch.stack(rows)
+
+    cut_short = 0
+    for budget in (1, 4, 8, 16):
+        small = retrieval(adjacency, 7, [p for p in recycling_template(budget, *shape[1:]) if len(p) <= max_depth])
+        # The nodes of rank at most ``budget`` are that budget's tree, in the same order.
+        inside = big.budgets <= budget
+        assert torch.equal(big.tokens[inside], small.tokens)
+        for draw in range(8):
+            sampling = Sampling(1.0, 1.0, 0)
+            walk = accept(big, logits_of(big), sampling, torch.Generator().manual_seed(draw))
+            alone = accept(small, logits_of(small), sampling, torch.Generator().manual_seed(draw))
+            assert big.within(walk.path, budget) == (len(alone.path), int(small.depths().max()))
+            cut_short += len(alone.path) < len(walk.path)
+    assert cut_short > 0
 
 
 def test_template_by_prior_prefixes_are_the_templates():

@@ -10,7 +10,9 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   drafting at once share what recycling learns and overwrite each other's rows: recycling@8 accepted 1.64 tokens
   a row-step at one request and 1.51 at four, and the controller, carrying τ from one request to four, put
   recycling within the ready margin there while it ran 15% behind; a size's average starts from the nearest
-  size's, counted as ``tau_prior`` (16) rows, and where the arm has no rows yet it is the nearest size's), and
+  size's, counted as ``tau_prior`` (16) rows, and where the arm has no rows yet it is the nearest size's; a
+  step whose trees are nested, retrieval's, also counts for every smaller budget of the builder, with each row's
+  path cut where the smaller tree ends, ``NestedTree.within``), and
   ``cost(arm, B)`` is an exponential moving
   average of the logarithm of the measured wall time of whole steps (drafting, tree, verification, commit)
   with that arm at that batch size (a geometric mean: one step descheduled on a shared machine does not sink
@@ -99,6 +101,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from trainer.spec.batch import Fixed, Policy, RowStep
+from trainer.spec.tree import NestedTree, Tree
 
 PLAIN = ("none", 0)
 RECYCLING_BUDGETS = (8, 16, 32)
@@ -142,6 +145,10 @@ class ArmStats:
         """τ at ``batch_size``, or at the nearest size where the arm was measured (1.0: never)."""
         accept = self.acceptance(batch_size)
         return 1.0 if accept is None else accept.tau
+
+
+def _depth(tree: Tree) -> int:
+    return int(tree.depths().max()) if tree.size else 0
 
 
 def _losses(rates: dict[tuple[str, int], float]) -> dict[tuple[str, int], float]:
@@ -408,6 +415,20 @@ class Controller:
         if (tree, budget) == PLAIN:
             # No draft node verified: plain decoding's τ is 1, nothing to learn per row.
             return
+        self._learn(stats, batch_size, [(len(r.event.path), _depth(r.event.tree)) for r in rows])
+        # Nested trees (retrieval's) tell every smaller budget's acceptance on the same rows: arms a few percent
+        # apart are then compared on one sample, not on windows taken at different times, each as noisy as
+        # their difference (a 100-row window's τ has a standard error of ~6%; at one request the controller
+        # split its steps between recycling@8 and @16, and ran 4% behind a fixed recycling@8 in process).
+        nested = [r.event.tree for r in rows if isinstance(r.event.tree, NestedTree)]
+        if rows and len(nested) == len(rows):
+            for smaller in [a for a in self.arms if a[0] == tree and a[1] < budget]:
+                cut = [t.within(r.event.path, smaller[1]) for t, r in zip(nested, rows, strict=True)]
+                self._learn(self.stats[smaller], batch_size, cut)
+
+    def _learn(self, stats: ArmStats, batch_size: int, rows: list[tuple[int, int]]) -> None:
+        """Fold rows of (accepted path length with the root, the tree's depth) into the arm's acceptance at
+        ``batch_size``."""
         accept = stats.accept.get(batch_size)
         if accept is None:
             # A new size starts from the nearest size's acceptance, weighted as ``tau_prior`` rows: at one request a
@@ -417,15 +438,14 @@ class Controller:
             prior = min(near.rows, self.tau_prior) if near is not None else 0
             accept = Acceptance() if near is None else replace(near, reach=list(near.reach), rows=prior)
             stats.accept[batch_size] = accept
-        for row in rows:
-            depth = int(row.event.tree.depths().max()) if row.event.tree.size else 0
+        for length, depth in rows:
             accept.reach += [0.0] * (depth - len(accept.reach))
             accept.rows += 1
             rate = max(self.tau_decay, 1 / accept.rows)
             # A depth this tree did not reach counts as not reached: τ is what the arm's trees deliver.
             for d, reach in enumerate(accept.reach, 1):
-                accept.reach[d - 1] = reach + rate * (float(len(row.event.path) > d) - reach)
-            accept.square += rate * (min(len(row.event.path), len(accept.reach) + 1) ** 2 - accept.square)
+                accept.reach[d - 1] = reach + rate * (float(length > d) - reach)
+            accept.square += rate * (min(length, len(accept.reach) + 1) ** 2 - accept.square)
         accept.tau = 1.0 + sum(accept.reach)
 
     def taus(self) -> dict[str, float]:

@@ -51,6 +51,7 @@ from trainer.spec.tree import (
     ddtree,
     frontier_confidence,
     merge_trie,
+    prior_ranks,
     pruned_depth,
     recycling_template,
     retrieval,
@@ -137,11 +138,10 @@ def _recycling(
     session: RecyclingSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions
 ) -> Tree:
     with clock("tree"):
-        shape = recycling_template(
-            budget, session.adjacency.shape[1], options.recycling_decay, options.recycling_max_depth
-        )
-        template = [p for p in shape if len(p) <= max_depth]
-        return retrieval(session.adjacency, root, template)
+        shape = (budget, session.adjacency.shape[1], options.recycling_decay, options.recycling_max_depth)
+        template = [p for p in recycling_template(*shape) if len(p) <= max_depth]
+        # Nested: the controller learns every smaller budget's acceptance from this tree's step.
+        return retrieval(session.adjacency, root, template, prior_ranks(*shape))
 
 
 def _eagle(session: Eagle3Session, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions) -> Tree:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -88,6 +89,27 @@ class Tree:
             if key in seen:
                 raise ValueError(f"node {i} duplicates a sibling's token {key[1]}")
             seen.add(key)
+
+
+@dataclass(frozen=True)
+class NestedTree(Tree):
+    """A tree whose nodes up to any smaller budget form the tree its builder gives at that budget (a retrieval
+    template is a best-first order, and its every prefix is the template of that size). Verification walks the
+    tree drawing one target token per position and stops at the first token no child holds, so the walk over the
+    smaller tree is this tree's accepted path cut at its first node that the smaller tree lacks: one step tells
+    what every smaller budget would have accepted."""
+
+    # Shape: (N + 1,) int64: the smallest budget whose tree holds the node (0 for the root); it grows along every
+    # path (a child comes after its parent in the template's order).
+    budgets: torch.Tensor
+
+    def within(self, path: list[int], budget: int) -> tuple[int, int]:
+        """For the tree of ``budget``: the length of ``path`` (accepted node indices from the root) it would have
+        accepted, and its depth."""
+        budgets = self.budgets.tolist()
+        kept = sum(1 for node in path if budgets[node] <= budget)
+        inside = self.budgets <= budget
+        return kept, int(self.depths()[inside].max())
 
 
 def root_only(root: int) -> Tree:
@@ -252,11 +274,26 @@ def template_by_prior(budget: int, width: int, decay: float, max_depth: int) -> 
     return tuple(paths)
 
 
-def retrieval(adjacency: torch.Tensor, root: int, template: Sequence[tuple[int, ...]]) -> Tree:
+@functools.cache
+def prior_ranks(budget: int, width: int, decay: float, max_depth: int) -> Mapping[tuple[int, ...], int]:
+    """Each path of :func:`template_by_prior` with its 1-based place in that order: the smallest budget whose
+    template holds it."""
+    return MappingProxyType({path: i + 1 for i, path in enumerate(template_by_prior(budget, width, decay, max_depth))})
+
+
+def retrieval(
+    adjacency: torch.Tensor,
+    root: int,
+    template: Sequence[tuple[int, ...]],
+    ranks: Mapping[tuple[int, ...], int] | None = None,
+) -> Tree:
     """Fill a rank-path template from an adjacency matrix: ``token(node) = adjacency[token(parent), rank]``.
 
     ``adjacency`` Shape: (V, W) successor ids, best first. Paths whose token repeats a sibling's (an adjacency
     row with repeated ids) are dropped together with their subtree; -1 entries (no successor known) likewise.
+    With ``ranks`` (each path's 1-based place in a best-first order whose every prefix is a template, as
+    :func:`prior_ranks`), the tree is a :class:`NestedTree`: a sibling is dropped for repeating a lower rank's
+    token, which every prefix holds too, so the nodes of rank at most ``b`` are exactly the tree of that prefix.
     """
     rows: dict[int, list[int]] = {}
     tokens, parents = [root], [-1]
@@ -277,7 +314,14 @@ def retrieval(adjacency: torch.Tensor, root: int, template: Sequence[tuple[int, 
         index[path] = len(tokens)
         tokens.append(token)
         parents.append(parent)
-    return Tree.from_lists(tokens, parents)
+    if ranks is None:
+        return Tree.from_lists(tokens, parents)
+    budgets = [0] * len(tokens)
+    for path, node in index.items():
+        if path:
+            budgets[node] = ranks[path]
+    as_long = functools.partial(torch.tensor, dtype=torch.long)
+    return NestedTree(as_long(tokens), as_long(parents), as_long(budgets))
 
 
 def best_subtree(tokens: list[int], parents: list[int], scores: list[float], root: int, budget: int) -> Tree:
