@@ -12,8 +12,8 @@ module, :func:`trainer.tiny.prompts.build_prompts`) with lossless sampling at ``
 loops under greedy decoding, which would flatter copying drafters), each request a new prompt and seed: every
 server gets the same requests in a turn, and no server sees a request twice (the 82 prompts of
 ``data/prompts/stdlib_heldout.jsonl`` sent again each turn under the same seeds repeated whole outputs, which
-the recycling adjacency had learnt: recycling@8's τ at four requests was 1.65 in the server and 1.51 in
-process, and the controller chose it where it ran behind plain decoding). A warm-up
+the recycling adjacency had learnt: recycling@8 measured 1.40-1.46x plain decoding at one request that way and
+1.10-1.17x on new requests, and its τ at four requests was 1.65 against 1.55). A warm-up
 turn per server and concurrency lets the controller measure its arms first; each round starts one server later
 than the one before, and a second set of plain servers ("plain again", ``--no-control`` leaves it out) shows how
 far identical configurations differ in the same run.
