@@ -48,7 +48,13 @@ class Tree:
         return bool((self.parents[1:] == torch.arange(self.parents.numel() - 1)).all())
 
     def depths(self) -> torch.Tensor:
-        """Depth of every node (root 0). Shape: (N + 1,)"""
+        """Depth of every node (root 0); not to be modified. Shape: (N + 1,)"""
+        return self._depths
+
+    @functools.cached_property
+    def _depths(self) -> torch.Tensor:
+        # Computed once (trees are immutable): a step reads its trees' depths for positions, for the controller's
+        # acceptance, and once more per smaller budget of a nested tree.
         if self.is_chain:
             return torch.arange(self.parents.numel())
         parents = self.parents.tolist()
