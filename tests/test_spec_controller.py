@@ -354,3 +354,60 @@ def test_a_nested_tree_step_also_measures_every_smaller_budget_of_its_builder():
     # A larger budget's tree is not inside this one: nothing is learnt for it, nor any cost for the others.
     assert not controller.stats["recycling", 32].accept
     assert not controller.stats["recycling", 8].cost
+
+
+def _nested_step(controller, budget, path, seconds):
+    """One step at one request of recycling@``budget`` over a chain whose draft nodes have retrieval ranks 1, 5,
+    9 and 12: @8's tree holds the first two, @16's all four; the row accepts ``path``."""
+    ranks = [0, 1, 5, 9, 12][: 3 if budget == 8 else 5]
+    tree = NestedTree(torch.arange(len(ranks)), torch.arange(-1, len(ranks) - 1), torch.tensor(ranks))
+    event = StepEvent(0, 0, 0, tree, path, 0, torch.zeros(1), {}, budget, "recycling")
+    controller.observe("recycling", budget, 1, [RowStep(None, event, [0] * len(path))], seconds)
+
+
+def test_a_nested_builder_bounds_its_budgets_by_each_other():
+    controller = Controller([("none", 0), ("recycling", 8), ("recycling", 16)])
+    for _ in range(10):
+        _nested_step(controller, 16, [0], 0.02)
+    for _ in range(30):
+        _nested_step(controller, 8, [0, 1, 2], 0.03)
+    r8, r16 = ("recycling", 8), ("recycling", 16)
+    # @16's own rows accepted nothing, but its tree holds @8's: it accepts at least what @8 did on the same tokens.
+    assert controller.stats[r16].tau(1) == 1.0 and controller.stats[r8].tau(1) == pytest.approx(2.5)
+    assert controller.tau(r16, 1) == pytest.approx(2.5) and controller.tau(r8, 1) == pytest.approx(2.5)
+    # @8's own figure says 0.03 s, but a step of @8 verifies a part of @16's tree: no dearer than @16's 0.02 s.
+    assert controller.cost(r8, 1) == pytest.approx(0.02) and controller.cost(r16, 1) == pytest.approx(0.02)
+    # A builder whose trees were not seen nested is not bounded.
+    plain_tree = Controller([("none", 0), ("ddtree", 4), ("ddtree", 8)])
+    for budget, seconds in ((8, 0.02), (4, 0.03)):
+        _measure(plain_tree, ("ddtree", budget), seconds)
+    assert plain_tree.cost(("ddtree", 4), 4) == pytest.approx(0.03)
+
+
+def test_a_smaller_nested_budget_with_a_stale_cost_is_measured_again_and_wins():
+    """@8's only figure is from its first steps (0.03 s, inflated); it costs 0.012 s now, @16 0.02 s. @16's steps
+    measure @8's acceptance (τ 3 against @16's 4), not its cost: on the stale figure @8 looks 25% behind. With no
+    probing budget at all, the re-check of a smaller budget of the best arm's nested builder measures it, and one
+    measurement after hundreds of steps replaces the stale figure: the controller moves to @8 within a recheck."""
+    controller = Controller([("none", 0), ("recycling", 8), ("recycling", 16)], probe_share=0.0, probe_grace=0.0)
+    cost = {("none", 0): 0.015, ("recycling", 8): 0.012, ("recycling", 16): 0.02}
+    for _ in range(2):
+        _measure(controller, ("none", 0), cost["none", 0], batch=1)
+    for _ in range(20):
+        _nested_step(controller, 8, [0, 1, 2], 0.03)
+    # 300 steps of @16 (a step counts when chosen; these are imposed).
+    for _ in range(300):
+        controller.steps += 1
+        _nested_step(controller, 16, [0, 1, 2, 3], 0.02)
+    r8, r16 = ("recycling", 8), ("recycling", 16)
+    assert controller.throughput(r8, 1) < 0.8 * controller.throughput(r16, 1)
+    chosen = []
+    for _ in range(150):
+        arm = controller.choose(1)
+        chosen.append(arm)
+        if arm == ("none", 0):
+            _measure(controller, arm, cost[arm], batch=1)
+        else:
+            _nested_step(controller, arm[1], [0, 1, 2] if arm[1] == 8 else [0, 1, 2, 3], cost[arm])
+    assert chosen[0] == r8
+    assert chosen[-100:].count(r8) >= 95

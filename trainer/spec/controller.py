@@ -20,7 +20,9 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   is estimated from another batch size, below), times the machine's current speed. The machine's speed is
   shared by every arm: ``drift`` follows how much slower or faster than its arm's figure each step ran (rate
   ``drift_decay``; only figures with more than ``drift_after`` measurements count) and an arm's own figure learns
-  only what the drift does not explain (rate ``cost_decay``, a plain mean over its first measurements).
+  only what the drift does not explain (rate ``cost_decay`` per step of the controller, not per measurement of
+  its own, so a measurement after a gap of ``n`` steps weighs ``1 - (1 - cost_decay)^n``; a plain mean over its
+  first measurements). A nested builder's arms are bounded by each other (``tau``).
   Without it an arm measured minutes ago, while the CPU ran faster, was compared with the running arm's figure
   of now: on a 2-core machine whose speed wanders by 5-15% over seconds, recycling at four and eight requests,
   measured 10-20% behind plain decoding, came within the ready margin whenever the machine slowed, and was
@@ -60,7 +62,11 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   first steps at a size can cost 1.6 times its steady step, and in the server at four requests two such
   measurements put it behind recycling@8; queued behind the drafter's arms, whose probes the budget saved up for,
   it was not measured again for the whole of a 30 s run, and the controller ran at 0.88x and 0.90x plain decoding
-  in two of six runs; with the re-check it stayed on plain decoding there in five of five;
+  in two of six runs; with the re-check it stayed on plain decoding there in five of five. An arm within
+  ``ready_margin`` of the best estimate, and a smaller budget of the best estimate's nested builder (whose
+  acceptance the best estimate's steps measure, so a look buys its cost), are re-checked the same way, every
+  ``recheck`` steps: waiting in the queue behind the drafter's probes, at one request recycling@8 was measured 2-18
+  times a minute while the controller ran @16 on a stale figure of @8's cost, 3-4% behind a fixed @8 in process;
 - readiness: a drafter's sessions capture target features every step, drafting or not, so a request admitted now
   gets the neural builder's session only while one of its arms is within ``ready_margin`` of the best estimate,
   was never measured, or the builder has gone ``refresh`` seconds of step time without a measurement of any of its
@@ -178,6 +184,8 @@ class Controller:
         recheck: int = 25,
     ) -> None:
         self.arms = list(arms)
+        # Builders whose trees were seen nested (retrieval's): a budget's tree holds every smaller budget's.
+        self.nested: set[str] = set()
         # Builders whose sessions a request gets only while ``ready`` (a drafter's; not retrieval's).
         self.neural = {tree for tree, _ in self.arms} - {PLAIN[0], "recycling"}
         self.stats = {arm: ArmStats() for arm in self.arms}
@@ -230,7 +238,30 @@ class Controller:
         return arms
 
     def cost(self, arm: tuple[str, int], batch_size: int) -> float | None:
-        """Estimated seconds of a step with ``arm`` at ``batch_size``; None if the arm was never measured."""
+        """Estimated seconds of a step with ``arm`` at ``batch_size``; None if the arm was never measured. A builder
+        whose trees are nested costs no more at a budget than at any larger one (see ``tau``)."""
+        own = self._cost(arm, batch_size)
+        if own is None or arm[0] not in self.nested:
+            return own
+        larger = (self._cost(a, batch_size) for a in self.arms if a[0] == arm[0] and a[1] > arm[1])
+        return min([own, *(c for c in larger if c is not None)])
+
+    def tau(self, arm: tuple[str, int], batch_size: int) -> float:
+        """The arm's τ at ``batch_size`` (1.0: never measured). A nested builder's tree at a budget contains its tree
+        at every smaller one, and verification walks the same sampled tokens down both, so it accepts at least as
+        much: its τ is at least theirs, and its step costs no more than a larger budget's. Each arm's own figures
+        are measured only when it runs, while a nested step measures the acceptance of every smaller budget
+        (``observe``): without the bounds, at one request a controller that ran recycling@8 kept @16's τ from ~30
+        early rows (1.52, where it realised 1.85 later) and probed it a few times a minute for looking 15% behind;
+        one that ran @16 kept @8's cost from its first 20 steps, 50% above what @8 realised, and ran @16 for 94% of
+        its steps."""
+        own = self.stats[arm].tau(batch_size)
+        if arm[0] not in self.nested:
+            return own
+        return max([own, *(self.stats[a].tau(batch_size) for a in self.arms if a[0] == arm[0] and a[1] < arm[1])])
+
+    def _cost(self, arm: tuple[str, int], batch_size: int) -> float | None:
+        """The arm's own cost figure at ``batch_size`` (scaled from another size where not measured there)."""
         cells = self.stats[arm].cost
         if batch_size in cells:
             return cells[batch_size][0] * self.speed
@@ -248,7 +279,7 @@ class Controller:
         """Expected tokens per second of ``arm`` at ``batch_size`` (0 if never measured); ``cost``: its
         ``cost(arm, batch_size)`` when the caller has it."""
         cost = self.cost(arm, batch_size) if cost is None else cost
-        return 0.0 if cost is None else batch_size * self.stats[arm].tau(batch_size) / cost
+        return 0.0 if cost is None else batch_size * self.tau(arm, batch_size) / cost
 
     def choose(self, batch_size: int, available: frozenset[str] | None = None) -> tuple[str, int]:
         """The arm of the next step at ``batch_size``, among the builders in ``available`` (None: all)."""
@@ -298,8 +329,8 @@ class Controller:
             ridden = [a for a in arms if a[0] in due_trees]
             if ridden:
                 self.last = min(ridden, key=stalest)
-            elif self._recheck_plain(best, loss, batch_size):
-                self.last = PLAIN
+            elif (recheck := self._recheck(best, loss, batch_size)) is not None:
+                self.last = recheck
             else:
                 # Builders some row lacks the sessions of, whose sessions requests admitted now get.
                 missing = {tree for tree, _ in self.arms} - {tree for tree, _ in arms}
@@ -315,13 +346,20 @@ class Controller:
         self.plan = (batch_size, available, self.steps + self.replan - 1, best) if held else None
         return self.last
 
-    def _recheck_plain(self, best: tuple[str, int], loss: dict[tuple[str, int], float], batch_size: int) -> bool:
-        """Whether plain decoding, not the best estimate at ``batch_size``, has gone ``recheck`` steps, divided by
-        what looking at it is worth, without a measurement there; it is then measured on credit (its realised loss
-        charged as a probe's)."""
-        if best == PLAIN or PLAIN not in loss:
-            return False
-        return self.steps - self._measured_step(PLAIN, batch_size) >= self.recheck / self._worth([loss[PLAIN]])
+    def _recheck(
+        self, best: tuple[str, int], loss: dict[tuple[str, int], float], batch_size: int
+    ) -> tuple[str, int] | None:
+        """Plain decoding, or an arm within ``ready_margin`` of the best estimate, that has gone ``recheck`` steps,
+        divided by what looking at it is worth, without a measurement at ``batch_size`` (the stalest such); it is
+        then measured on credit (its realised loss charged as a probe's). None: nothing is due."""
+        due = [
+            a
+            for a, share in loss.items()
+            if a != best
+            and (a == PLAIN or share <= self.ready_margin or (a[0] == best[0] in self.nested and a[1] < best[1]))
+            and self.steps - self._measured_step(a, batch_size) >= self.recheck / self._worth([share])
+        ]
+        return min(due, key=lambda a: self._measured_step(a, batch_size)) if due else None
 
     def _measured_step(self, arm: tuple[str, int], batch_size: int) -> int:
         """The step at which ``arm`` was last measured at ``batch_size`` (-1: never)."""
@@ -409,7 +447,10 @@ class Controller:
                 # error (a first step's one-time costs), and moved the drift of every other arm with it.
                 self.drift += self.drift_decay * (log_seconds - log_cost - self.drift)
                 self.speed = math.exp(self.drift)
-            rate = max(self.cost_decay, 1 / cell[2])
+            # A figure forgets at ``cost_decay`` per step of the controller, not per measurement of its own: an arm
+            # measured once in a few hundred steps is known as it costs now, not as the mean of its first hundred
+            # measurements, taken while another arm's figure was young and the machine's speed still unknown.
+            rate = max(self.cost_decay, 1 / cell[2], 1 - (1 - self.cost_decay) ** (self.steps - cell[1]))
             cell[0] = math.exp(log_cost + rate * (log_seconds - self.drift - log_cost))
         cell[1] = self.steps
         if (tree, budget) == PLAIN:
@@ -422,6 +463,7 @@ class Controller:
         # split its steps between recycling@8 and @16, and ran 4% behind a fixed recycling@8 in process).
         nested = [r.event.tree for r in rows if isinstance(r.event.tree, NestedTree)]
         if rows and len(nested) == len(rows):
+            self.nested.add(tree)
             for smaller in [a for a in self.arms if a[0] == tree and a[1] < budget]:
                 cut = [t.within(r.event.path, smaller[1]) for t, r in zip(nested, rows, strict=True)]
                 self._learn(self.stats[smaller], batch_size, cut)
@@ -451,7 +493,7 @@ class Controller:
     def taus(self) -> dict[str, float]:
         """The τ estimate of every arm at the recent batch size, keyed ``"tree@budget"`` (for /metrics)."""
         typical = self._typical()
-        return {f"{tree}@{budget}": s.tau(typical) for (tree, budget), s in self.stats.items()}
+        return {f"{tree}@{budget}": self.tau((tree, budget), typical) for tree, budget in self.stats}
 
 
 def policy_for(tree: str, budget: int, neural_tree: str | None) -> tuple[Policy, tuple[str, ...]]:
