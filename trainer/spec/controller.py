@@ -19,10 +19,11 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   an arm; both averages start as plain means, so early figures are not biased; an arm not measured at ``B``
   is estimated from another batch size, below), times the machine's current speed. The machine's speed is
   shared by every arm: ``drift`` follows how much slower or faster than its arm's figure each step ran (rate
-  ``drift_decay``; only figures with more than ``drift_after`` measurements count) and an arm's own figure learns
-  only what the drift does not explain (rate ``cost_decay`` per step of the controller, not per measurement of
-  its own, so a measurement after a gap of ``n`` steps weighs ``1 - (1 - cost_decay)^n``; a plain mean over its
-  first measurements). A nested builder's arms are bounded by each other (``tau``).
+  ``drift_decay``; only figures established by more than ``drift_after`` recent measurements count) and an arm's
+  own figure learns only what the drift does not explain: it is the mean of its measurements weighted by their
+  age in steps of the controller, ``(1 - cost_decay)^age`` (about the last 100 steps: a plain mean over an arm's
+  first measurements, an exponential average of rate ``cost_decay`` for an arm measured every step, and for an arm
+  measured once in ``n`` steps mostly its last few). A nested builder's arms are bounded by each other (``tau``).
   Without it an arm measured minutes ago, while the CPU ran faster, was compared with the running arm's figure
   of now: on a 2-core machine whose speed wanders by 5-15% over seconds, recycling at four and eight requests,
   measured 10-20% behind plain decoding, came within the ready margin whenever the machine slowed, and was
@@ -62,11 +63,14 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   first steps at a size can cost 1.6 times its steady step, and in the server at four requests two such
   measurements put it behind recycling@8; queued behind the drafter's arms, whose probes the budget saved up for,
   it was not measured again for the whole of a 30 s run, and the controller ran at 0.88x and 0.90x plain decoding
-  in two of six runs; with the re-check it stayed on plain decoding there in five of five. An arm within
-  ``ready_margin`` of the best estimate, and a smaller budget of the best estimate's nested builder (whose
-  acceptance the best estimate's steps measure, so a look buys its cost), are re-checked the same way, every
-  ``recheck`` steps: waiting in the queue behind the drafter's probes, at one request recycling@8 was measured 2-18
-  times a minute while the controller ran @16 on a stale figure of @8's cost, 3-4% behind a fixed @8 in process;
+  in two of six runs; with the re-check it stayed on plain decoding there in five of five. A smaller budget of the
+  best estimate's nested builder (whose acceptance the best estimate's steps measure, so a look buys its cost) is
+  re-checked too, every ``recheck`` steps whatever its estimated loss (a stale cost is what makes it look
+  behind): waiting in the queue behind the drafter's probes, at one request recycling@8 was measured 2-18 times a
+  minute while the controller ran @16 on a stale figure of @8's cost, 3-5% behind a fixed @8 in process. Larger
+  budgets wait in the queue: re-checked too (they count as near the best, their τ bounded below by the smaller
+  budget's), @16 and @32 took 3% of the steps at one request in the server, 14% and 20% behind @8, and their τ
+  from the few rows of those looks made @16 the best estimate for stretches of a second;
 - readiness: a drafter's sessions capture target features every step, drafting or not, so a request admitted now
   gets the neural builder's session only while one of its arms is within ``ready_margin`` of the best estimate,
   was never measured, or the builder has gone ``refresh`` seconds of step time without a measurement of any of its
@@ -138,7 +142,8 @@ class Acceptance:
 class ArmStats:
     # Batch size → acceptance of the arm's steps at that size.
     accept: dict[int, Acceptance] = field(default_factory=dict)
-    # Batch size → [EMA of step seconds, step counter when last measured, measurements].
+    # Batch size → [EMA of step seconds, step counter when last measured, measurements, recent measurements (each
+    # weighing (1 - cost_decay) per step of age)].
     cost: dict[int, list[float]] = field(default_factory=dict)
 
     def acceptance(self, batch_size: int) -> Acceptance | None:
@@ -312,7 +317,7 @@ class Controller:
             a
             for a in arms
             if not self.stats[a].cost
-            or (a == PLAIN and self.stats[a].cost.get(batch_size, [0.0, 0, 0])[2] < self.min_samples)
+            or (a == PLAIN and self.stats[a].cost.get(batch_size, [0.0, 0, 0, 0.0])[2] < self.min_samples)
         ]
         if untried:
             self.last = untried[0]
@@ -349,21 +354,25 @@ class Controller:
     def _recheck(
         self, best: tuple[str, int], loss: dict[tuple[str, int], float], batch_size: int
     ) -> tuple[str, int] | None:
-        """Plain decoding, or an arm within ``ready_margin`` of the best estimate, that has gone ``recheck`` steps,
-        divided by what looking at it is worth, without a measurement at ``batch_size`` (the stalest such); it is
-        then measured on credit (its realised loss charged as a probe's). None: nothing is due."""
+        """Plain decoding, after ``recheck`` steps divided by what looking at it is worth, or a smaller budget of the
+        best estimate's nested builder, after ``recheck`` steps, without a measurement at ``batch_size`` (the
+        stalest such); it is then measured on credit (its realised loss charged as a probe's). None: nothing is
+        due."""
+        # Plain decoding's interval grows with its loss; a smaller nested budget's does not: its figure against the
+        # best estimate's rests on its cost alone, and a stale cost is what makes it look far behind.
         due = [
             a
             for a, share in loss.items()
             if a != best
-            and (a == PLAIN or share <= self.ready_margin or (a[0] == best[0] in self.nested and a[1] < best[1]))
-            and self.steps - self._measured_step(a, batch_size) >= self.recheck / self._worth([share])
+            and (a == PLAIN or (a[0] == best[0] in self.nested and a[1] < best[1]))
+            and self.steps - self._measured_step(a, batch_size)
+            >= self.recheck / (self._worth([share]) if a == PLAIN else 1)
         ]
         return min(due, key=lambda a: self._measured_step(a, batch_size)) if due else None
 
     def _measured_step(self, arm: tuple[str, int], batch_size: int) -> int:
         """The step at which ``arm`` was last measured at ``batch_size`` (-1: never)."""
-        return self.stats[arm].cost.get(batch_size, [0.0, -1, 0])[1]
+        return self.stats[arm].cost.get(batch_size, [0.0, -1, 0, 0.0])[1]
 
     def _typical(self) -> int:
         """The recent batch size, rounded (1 before any step)."""
@@ -435,22 +444,26 @@ class Controller:
             return
         self.measured_at[tree, budget] = self.seconds
         # A cell holds the arm's step seconds at speed 1 (``cost`` multiplies by the current speed).
-        cell = stats.cost.setdefault(batch_size, [0.0, 0, 0])
+        cell = stats.cost.setdefault(batch_size, [0.0, 0, 0, 0.0])
         cell[2] += 1
+        cell[3] = cell[3] * (1 - self.cost_decay) ** (self.steps - cell[1]) + 1
         log_seconds = math.log(max(seconds, 1e-9))
         if cell[2] == 1:
             cell[0] = math.exp(log_seconds - self.drift)
         else:
             log_cost = math.log(cell[0])
-            if cell[2] > self.drift_after:
+            if cell[3] > self.drift_after:
                 # Only an established figure tells the machine's speed: a young one's surprise is mostly its own
-                # error (a first step's one-time costs), and moved the drift of every other arm with it.
+                # error (a first step's one-time costs), and moved the drift of every other arm with it. Established
+                # by recent measurements, not by all: an arm probed now and then that became the best estimate on a
+                # lucky figure kept it as the machine's speed moved every other arm's (at one request recycling@32
+                # ran 265 of 950 steps, a fifth behind @8, whose re-checks corrected its figure a fifth at a time).
                 self.drift += self.drift_decay * (log_seconds - log_cost - self.drift)
                 self.speed = math.exp(self.drift)
-            # A figure forgets at ``cost_decay`` per step of the controller, not per measurement of its own: an arm
-            # measured once in a few hundred steps is known as it costs now, not as the mean of its first hundred
-            # measurements, taken while another arm's figure was young and the machine's speed still unknown.
-            rate = max(self.cost_decay, 1 / cell[2], 1 - (1 - self.cost_decay) ** (self.steps - cell[1]))
+            # Ages count in steps of the controller, not in measurements of the arm's own: an arm measured once in a
+            # few hundred steps is known as it costs now, not as the mean of its first hundred measurements, taken
+            # while another arm's figure was young and the machine's speed still unknown.
+            rate = 1 / cell[3]
             cell[0] = math.exp(log_cost + rate * (log_seconds - self.drift - log_cost))
         cell[1] = self.steps
         if (tree, budget) == PLAIN:
