@@ -68,9 +68,9 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   re-checked too, every ``recheck`` steps whatever its estimated loss (a stale cost is what makes it look
   behind): waiting in the queue behind the drafter's probes, at one request recycling@8 was measured 2-18 times a
   minute while the controller ran @16 on a stale figure of @8's cost, 3-5% behind a fixed @8 in process. Larger
-  budgets wait in the queue: re-checked too (they count as near the best, their τ bounded below by the smaller
-  budget's), @16 and @32 took 3% of the steps at one request in the server, 14% and 20% behind @8, and their τ
-  from the few rows of those looks made @16 the best estimate for stretches of a second;
+  budgets wait in the queue: re-checked as well (their τ, bounded below by the smaller budget's, put them near the
+  best), @16 and @32 took 3% of the steps at one request in the server, 14% and 20% behind @8, and their τ from
+  the few rows of those looks made @16 the best estimate for stretches of a second;
 - readiness: a drafter's sessions capture target features every step, drafting or not, so a request admitted now
   gets the neural builder's session only while one of its arms is within ``ready_margin`` of the best estimate,
   was never measured, or the builder has gone ``refresh`` seconds of step time without a measurement of any of its
@@ -142,8 +142,8 @@ class Acceptance:
 class ArmStats:
     # Batch size → acceptance of the arm's steps at that size.
     accept: dict[int, Acceptance] = field(default_factory=dict)
-    # Batch size → [EMA of step seconds, step counter when last measured, measurements, recent measurements (each
-    # weighing (1 - cost_decay) per step of age)].
+    # Batch size → [step seconds (geometric mean of the measurements weighted by age), step counter when last
+    # measured, measurements, recent measurements (each weighing (1 - cost_decay) per step of age)].
     cost: dict[int, list[float]] = field(default_factory=dict)
 
     def acceptance(self, batch_size: int) -> Acceptance | None:
