@@ -14,7 +14,8 @@ request, and is charged the wall time of its own steps, admissions (prefill) inc
 the three concurrencies, as a server's engine does through changes of load (the controller keeps what it measured), with
 ``--warmup`` seconds of steps before each is measured. No HTTP and no tokenizer: the server's own
 work per request is the same for every configuration. Ratios come with the standard error over blocks of
-``--block`` seconds; a second plain engine ("plain again") is the noise control.
+``--block`` seconds; a second plain engine ("plain again") is the noise control. Under each row, the controller's
+steps per arm in the measured stretch (its probes and re-checks included).
 
     OMP_NUM_THREADS=1 python benchmarks/engine_ab.py [--seconds 60] [--configs none:0,recycling:8,auto:0]
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import Counter
 
 import torch
 from serve import configurations, request_prompts  # benchmarks/serve.py, beside this script
@@ -42,7 +44,8 @@ CONCURRENCY = (1, 4, 8)
 
 
 class Lane:
-    """One engine and its live requests; ``step`` returns the tokens it produced and the seconds it took."""
+    """One engine and its live requests; ``step`` returns the tokens it produced and the seconds it took, and
+    counts the step's arm (``"tree@budget"``) in ``arms``."""
 
     def __init__(
         self, engine: BatchEngine, prompts: list[list[int]], concurrency: int, max_tokens: int, temperature: float
@@ -51,6 +54,7 @@ class Lane:
         self.max_tokens, self.temperature = max_tokens, temperature
         self.live: list[BatchRequest] = []
         self.submitted = 0
+        self.arms: Counter[str] = Counter()
 
     def step(self) -> tuple[int, float]:
         start = time.perf_counter()
@@ -65,8 +69,10 @@ class Lane:
             self.live.append(request)
             self.submitted += 1
         before = sum(len(r.tokens) for r in self.live)
-        self.engine.step()
+        events = self.engine.step()
         seconds = time.perf_counter() - start
+        if events:
+            self.arms[f"{events[0].event.builder}@{events[0].event.budget}"] += 1
         tokens = sum(len(r.tokens) for r in self.live) - before
         self.live = [r for r in self.live if not r.finished]
         return tokens, seconds
@@ -115,6 +121,9 @@ def main() -> None:
         turn = 0
         while time.perf_counter() - start < args.warmup + args.seconds:
             measuring = time.perf_counter() - start >= args.warmup
+            if not measuring:
+                for lane in lanes:
+                    lane.arms.clear()
             for i in range(len(lanes)) if turn % 2 == 0 else reversed(range(len(lanes))):
                 tokens, seconds = lanes[i].step()
                 if measuring:
@@ -135,6 +144,10 @@ def main() -> None:
             error = statistics.stdev(per_block) / len(per_block) ** 0.5 if len(per_block) > 1 else float("nan")
             cells.append(f"{rates[i] / rates[0]:.3f}x ±{error:.3f}".rjust(16))
         print(f"{concurrency:>11} {rates[0]:>11.1f} " + " ".join(cells), flush=True)
+        # What the controller chose over the measured stretch (its probes and re-checks included).
+        for name, lane in zip(names, lanes, strict=True):
+            if name == "controller":
+                print(f"{'':>11} controller steps: " + ", ".join(f"{a} {n}" for a, n in lane.arms.most_common()))
 
 
 if __name__ == "__main__":
