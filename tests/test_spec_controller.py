@@ -412,3 +412,33 @@ def test_a_smaller_nested_budget_with_a_stale_cost_is_measured_again_and_wins():
             _nested_step(controller, arm[1], [0, 1, 2] if arm[1] == 8 else [0, 1, 2, 3], cost[arm])
     assert chosen[0] == r8
     assert chosen[-100:].count(r8) >= 95
+
+
+@pytest.mark.parametrize("clip", [0.1, math.inf])
+def test_a_few_slow_steps_do_not_make_plain_decoding_look_dearer_than_an_arm_measured_after_them(clip):
+    """Plain decoding at four requests costs 0.019 s (210 tokens/s), recycling 0.042 s for τ 2 (190, 10% behind).
+    Three plain steps run 2.6 times slower (as when a server's load turn ended), then recycling is measured for the
+    first time. Unclipped, those steps raise the machine's speed by 60%, recycling's young figure is learnt at that
+    speed, plain decoding keeps its figure from before and looks 40% dearer than it is: the controller runs
+    recycling until re-checks of plain decoding wear the error down. Clipped, they move the speed by 6%."""
+    plain, recycling = ("none", 0), ("recycling", 8)
+    cost = {plain: 0.019, recycling: 0.042}
+    controller = Controller([plain, recycling], probe_share=0.0, probe_grace=0.0, drift_clip=clip)
+    for _ in range(100):
+        _measure(controller, plain, cost[plain])
+    for _ in range(3):
+        _measure(controller, plain, 0.05)
+    speed = controller.speed
+    for _ in range(2):
+        _measure(controller, recycling, cost[recycling], accepted=1)
+    chosen = []
+    for _ in range(600):
+        arm = controller.choose(4)
+        chosen.append(arm)
+        _measure(controller, arm, cost[arm], accepted=1)
+    if clip < math.inf:
+        assert speed < 1.07
+        assert chosen.count(plain) >= 0.95 * len(chosen)
+    else:
+        assert speed > 1.5
+        assert chosen.count(plain) < 0.6 * len(chosen)

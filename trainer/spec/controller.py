@@ -19,7 +19,8 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   an arm; both averages start as plain means, so early figures are not biased; an arm not measured at ``B``
   is estimated from another batch size, below), times the machine's current speed. The machine's speed is
   shared by every arm: ``drift`` follows how much slower or faster than its arm's figure each step ran (rate
-  ``drift_decay``; only figures established by more than ``drift_after`` recent measurements count) and an arm's
+  ``drift_decay``, each step's surprise clipped to ``drift_clip`` in the log; only figures established by more
+  than ``drift_after`` recent measurements count) and an arm's
   own figure learns only what the drift does not explain: it is the mean of its measurements weighted by their
   age in steps of the controller, ``(1 - cost_decay)^age`` (about the last 100 steps: a plain mean over an arm's
   first measurements, an exponential average of rate ``cost_decay`` for an arm measured every step, and for an arm
@@ -184,6 +185,7 @@ class Controller:
         cost_decay: float = 0.01,
         drift_decay: float = 0.2,
         drift_after: int = 30,
+        drift_clip: float = 0.1,
         min_samples: int = 2,
         replan: int = 8,
         recheck: int = 25,
@@ -204,6 +206,7 @@ class Controller:
         self.cost_decay = cost_decay
         self.drift_decay = drift_decay
         self.drift_after = drift_after
+        self.drift_clip = drift_clip
         # log of the machine's speed factor (0: as when the figures started); ``speed`` = exp(drift).
         self.drift = 0.0
         self.speed = 1.0
@@ -458,7 +461,13 @@ class Controller:
                 # by recent measurements, not by all: an arm probed now and then that became the best estimate on a
                 # lucky figure kept it as the machine's speed moved every other arm's (at one request recycling@32
                 # ran 265 of 950 steps, a fifth behind @8, whose re-checks corrected its figure a fifth at a time).
-                self.drift += self.drift_decay * (log_seconds - log_cost - self.drift)
+                # Clipped (a robust average): a machine that slows moves the drift within a few steps, one slow step
+                # by at most a fifth of the clip. Unclipped, three slow steps as a server's load turn ended (31-55 ms
+                # against ~19) raised every estimate by a half; the arm that ran next learnt its figure at that speed,
+                # and plain decoding, on its figure from before, looked 40% dearer than it was (28 against 19 ms): at
+                # four requests the controller ran recycling@8 for a whole turn, 10% behind plain decoding.
+                surprise = log_seconds - log_cost - self.drift
+                self.drift += self.drift_decay * max(-self.drift_clip, min(self.drift_clip, surprise))
                 self.speed = math.exp(self.drift)
             # Ages count in steps of the controller, not in measurements of the arm's own: an arm measured once in a
             # few hundred steps is known as it costs now, not as the mean of its first hundred measurements, taken
