@@ -419,7 +419,7 @@ def test_a_few_slow_steps_do_not_make_plain_decoding_look_dearer_than_an_arm_mea
     """Plain decoding at four requests costs 0.019 s (210 tokens/s), recycling 0.042 s for τ 2 (190, 10% behind).
     Three plain steps run 2.6 times slower (as when a server's load turn ended), then recycling is measured for the
     first time. Unclipped, those steps raise the machine's speed by 60%, recycling's young figure is learnt at that
-    speed, plain decoding keeps its figure from before and looks 40% dearer than it is: the controller runs
+    speed, plain decoding keeps its figure from before and looks 60% dearer than it is: the controller runs
     recycling until re-checks of plain decoding wear the error down. Clipped, they move the speed by 6%."""
     plain, recycling = ("none", 0), ("recycling", 8)
     cost = {plain: 0.019, recycling: 0.042}

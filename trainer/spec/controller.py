@@ -464,8 +464,8 @@ class Controller:
                 # Clipped (a robust average): a machine that slows moves the drift within a few steps, one slow step
                 # by at most a fifth of the clip. Unclipped, three slow steps as a server's load turn ended (31-55 ms
                 # against ~19) raised every estimate by a half; the arm that ran next learnt its figure at that speed,
-                # and plain decoding, on its figure from before, looked 40% dearer than it was (28 against 19 ms): at
-                # four requests the controller ran recycling@8 for a whole turn, 10% behind plain decoding.
+                # and plain decoding, on its figure from before, looked half as dear again as it was (28 against 17-19
+                # ms): at four requests the controller ran recycling@8 for a whole turn, 10% behind plain decoding.
                 surprise = log_seconds - log_cost - self.drift
                 self.drift += self.drift_decay * max(-self.drift_clip, min(self.drift_clip, surprise))
                 self.speed = math.exp(self.drift)
