@@ -9,7 +9,11 @@ An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-fr
   "the accepted path reached depth ``d``" (the live acceptance by depth; kept per batch size because requests
   drafting at once share what recycling learns and overwrite each other's rows: recycling@8 accepted 1.64 tokens
   a row-step at one request and 1.51 at four, and the controller, carrying τ from one request to four, put
-  recycling within the ready margin there while it ran 15% behind; a size's average starts from the nearest
+  recycling within the ready margin there while it ran 15% behind; a neural drafter's rows draft each from their
+  own context, so its arms keep one average for every size: kept per size, a drafter arm's figure at one request
+  rested on the few rows of its probes there while it ran thousands at four, and in simulated runs with GPU-like
+  costs ddtree@8, as good as @16 for 10% less, stayed at τ 1.6-1.8 on ~20 rows (its rows' truth 2.3) and the
+  controller ran @16 to the end in 2 of 24 seeds; a size's average starts from the nearest
   size's, counted as ``tau_prior`` (16) rows, and where the arm has no rows yet it is the nearest size's; a
   step whose trees are nested, retrieval's, also counts for every smaller budget of the builder, with each row's
   path cut where the smaller tree ends, ``NestedTree.within``), and
@@ -141,14 +145,22 @@ class Acceptance:
 
 @dataclass
 class ArmStats:
-    # Batch size → acceptance of the arm's steps at that size.
+    # Batch size → acceptance of the arm's steps at that size; with ``pooled`` one entry (key 0) for every size.
     accept: dict[int, Acceptance] = field(default_factory=dict)
     # Batch size → [step seconds (geometric mean of the measurements weighted by age), step counter when last
     # measured, measurements, recent measurements (each weighing (1 - cost_decay) per step of age)].
     cost: dict[int, list[float]] = field(default_factory=dict)
+    # One acceptance for every batch size: a neural drafter's rows draft each from their own context, so what a
+    # row accepts does not depend on the rows beside it (retrieval's rows share the adjacency they learn).
+    pooled: bool = False
+
+    def key(self, batch_size: int) -> int:
+        """The ``accept`` key of ``batch_size``."""
+        return 0 if self.pooled else batch_size
 
     def acceptance(self, batch_size: int) -> Acceptance | None:
         """The acceptance at ``batch_size``, or at the nearest size where the arm was measured (None: never)."""
+        batch_size = self.key(batch_size)
         if batch_size in self.accept or not self.accept:
             return self.accept.get(batch_size)
         return self.accept[min(self.accept, key=lambda b: abs(b - batch_size))]
@@ -195,7 +207,7 @@ class Controller:
         self.nested: set[str] = set()
         # Builders whose sessions a request gets only while ``ready`` (a drafter's; not retrieval's).
         self.neural = {tree for tree, _ in self.arms} - {PLAIN[0], "recycling"}
-        self.stats = {arm: ArmStats() for arm in self.arms}
+        self.stats = {arm: ArmStats(pooled=arm[0] in self.neural) for arm in self.arms}
         self.probe_share = probe_share
         self.probe_grace = probe_grace
         self.probe_half_life = probe_half_life
@@ -349,8 +361,10 @@ class Controller:
                 self.last = due if fits else best
         self.probing = bool(untried) or loss[self.last] > 0.0
         self.keep_ready = any(self._near_best(a) for a in arms if a[0] != "none")
-        # Only the best estimate is reused: a probe or a first try runs once.
-        held = not untried and self.last == best
+        # Only a best estimate measured at this batch size is reused: a probe or a first try runs once, and so does
+        # an arm that is best only on a cost scaled from another size (optimistic for a drafting arm on a CPU: held,
+        # the drafter's arms ran 8 steps each at eight requests, at 2.5-4 times a plain step, whenever it came due).
+        held = not untried and self.last == best and batch_size in self.stats[best].cost
         self.plan = (batch_size, available, self.steps + self.replan - 1, best) if held else None
         return self.last
 
@@ -493,7 +507,7 @@ class Controller:
     def _learn(self, stats: ArmStats, batch_size: int, rows: list[tuple[int, int]]) -> None:
         """Fold rows of (accepted path length with the root, the tree's depth) into the arm's acceptance at
         ``batch_size``."""
-        accept = stats.accept.get(batch_size)
+        accept = stats.accept.get(stats.key(batch_size))
         if accept is None:
             # A new size starts from the nearest size's acceptance, weighted as ``tau_prior`` rows: at one request a
             # cell sees a row a step, and started empty, one probe's row (accepted 0 to the whole tree) made an arm
@@ -501,7 +515,7 @@ class Controller:
             near = stats.acceptance(batch_size)
             prior = min(near.rows, self.tau_prior) if near is not None else 0
             accept = Acceptance() if near is None else replace(near, reach=list(near.reach), rows=prior)
-            stats.accept[batch_size] = accept
+            stats.accept[stats.key(batch_size)] = accept
         for length, depth in rows:
             accept.reach += [0.0] * (depth - len(accept.reach))
             accept.rows += 1
