@@ -16,7 +16,8 @@ the recycling adjacency had learnt: recycling@8 measured 1.40-1.46x plain decodi
 1.10-1.17x on new requests, and its τ at four requests was 1.65 against 1.55). A warm-up
 turn per server and concurrency lets the controller measure its arms first; each round starts one server later
 than the one before, and a second set of plain servers ("plain again", ``--no-control`` leaves it out) shows how
-far identical configurations differ in the same run.
+far identical configurations differ in the same run. Each ratio comes with its standard error over rounds (a
+round's turns of the configuration against plain decoding's turns of the same round).
 
     python benchmarks/serve.py [--seconds 3] [--rounds 4] [--replicas 2] [--configs none:0,recycling:16,auto:0]
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import threading
 import time
 
@@ -142,9 +144,10 @@ def main() -> None:
             server.stop()
     print(f"tokens/s as ratio to plain decoding (T={args.temperature}, {args.rounds} rounds x {args.replicas} "
           f"servers x {args.seconds:.0f} s per configuration);")  # fmt: skip
+    print("± the standard error over rounds (a round's turns as ratio to plain decoding's in that round);")
     print("in brackets the lowest and highest ratio of one round's turns")
     every = range(args.rounds)
-    print(f"{'concurrency':>11} {'plain tok/s':>11} " + " ".join(f"{n:>18}" for n in names[1:]))
+    print(f"{'concurrency':>11} {'plain tok/s':>11} " + " ".join(f"{n:>24}" for n in names[1:]))
     for concurrency in CONCURRENCY:
         # (configuration, round) -> mean tokens/s of its turns in that round.
         rounds = {(c, r): sum(rates[concurrency, c, r]) / args.replicas for c in range(len(configs)) for r in every}
@@ -153,7 +156,8 @@ def main() -> None:
         for c in range(1, len(configs)):
             ratio = sum(rounds[c, r] for r in every) / args.rounds / plain
             per_round = [rounds[c, r] / rounds[0, r] for r in every]
-            cells.append(f"{ratio:.2f}x [{min(per_round):.2f}-{max(per_round):.2f}]".rjust(18))
+            error = statistics.stdev(per_round) / len(per_round) ** 0.5 if len(per_round) > 1 else float("nan")
+            cells.append(f"{ratio:.2f}x ±{error:.2f} [{min(per_round):.2f}-{max(per_round):.2f}]".rjust(24))
         print(f"{concurrency:>11} {plain:>11.1f} " + " ".join(cells))
 
 
