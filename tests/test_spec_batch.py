@@ -11,7 +11,7 @@ from conftest import ROOT, TINY_TARGET
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer.spec.batch import BatchEngine, BatchRequest, Fixed
-from trainer.spec.drafting import draft_blocks, load_drafter
+from trainer.spec.drafting import GraftSession, draft_blocks, load_drafter
 from trainer.spec.engine import BUILDERS, generate, make_session
 from trainer.spec.verify import Sampling
 
@@ -145,6 +145,31 @@ def test_a_published_adjacency_fills_rows_the_server_did_not_learn(shipped):
     with pytest.raises(ValueError, match="needs"):
         engine.set_adjacency(torch.zeros(17, 4, dtype=torch.long))
     assert torch.equal(engine.recycling.adjacency, newer)
+
+
+def test_graft_sessions_graft_from_the_engines_published_adjacency_and_stay_lossless(shipped):
+    target, drafter, prompts = shipped
+    engine = BatchEngine(target, drafter, ("graft-dflash",), Fixed("graft-dflash", 16))
+    published = torch.randint(0, 8192, (8192, 4))
+    engine.set_adjacency(published)
+    assert engine.recycling.adjacency.data_ptr() != published.data_ptr()  # learning must not write the snapshot
+    requests = [BatchRequest(p, 16) for p in prompts[:2]]
+    for request in requests:
+        engine.submit(request)
+    engine.step()
+    memories = [r.sessions[GraftSession].memory for r in engine.rows]
+    assert len(memories) == 2 and all(m is engine.recycling for m in memories)
+    # Rows the two prompts and first trees did not rewrite are the snapshot's: what the trees graft from.
+    learnt = (engine.recycling.adjacency != published).any(1)
+    assert 0 < int(learnt.sum()) < 8192 // 4
+    assert torch.equal(memories[0].adjacency[~learnt], published[~learnt])
+    while engine.busy:
+        engine.step()
+    plain = [
+        generate(target, make_session("none", target, None), BUILDERS["none"], p, 16, 0, Sampling()).tokens
+        for p in prompts[:2]
+    ]
+    assert [r.tokens for r in requests] == plain
 
 
 def test_prefill_topk_is_the_targets_topk_at_every_prompt_position(shipped):

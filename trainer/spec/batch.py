@@ -320,7 +320,8 @@ class BatchEngine:
             raise ValueError(f"adjacency of shape {tuple(adjacency.shape)}; this target needs ({vocab}, k)")
         if adjacency.dtype not in (torch.int32, torch.int64) or adjacency.min() < -1 or adjacency.max() >= vocab:
             raise ValueError(f"adjacency must hold token ids in [-1, {vocab}) as int32/int64")
-        merged = adjacency.to(torch.long).to(self.device)
+        # A copy: the engine learns into its adjacency in place, and the caller's tensor stays the snapshot.
+        merged = adjacency.to(device=self.device, dtype=torch.long, copy=True)
         local = (current != self._loaded_adjacency).any(1)
         width = min(merged.shape[1], current.shape[1])
         merged[local] = -1
@@ -339,7 +340,9 @@ class BatchEngine:
             elif kind is DraftSession:
                 sessions[kind] = DraftSession()
             elif self.policy.ready(tree):
-                sessions[kind] = make_session(tree, self.target, self.drafter, self.options)
+                # A Graft session grafts from the engine's one adjacency: what every request learns and what a
+                # daemon publishes (``set_adjacency``), not from an empty matrix of its own.
+                sessions[kind] = make_session(tree, self.target, self.drafter, self.options, self.recycling)
         return sessions
 
     @staticmethod
