@@ -1,17 +1,21 @@
 """The closed adaptation loop end to end: serve, log, adapt, publish, hot-reload, and τ over time.
 
-Starts ``trainer serve`` (drafter-free recycling at a fixed budget, so that τ measures the adjacency alone;
-verifier logs to ``OUT/loop/logs``; watching ``OUT/loop/publish``) and ``trainer adapt graft`` (reading the
-logs, publishing adjacency snapshots; its output goes to ``OUT/loop/daemon.log``), then sends a prompt stream
-that shifts domain: held-out stdlib code (the tiny target's own domain), then the source of third-party
-packages installed next to it (never in its training data). Afterwards both processes are stopped and τ per
-request is read back from the verifier log (mean accepted drafts + 1 over the request's steps), with the
-adjacency version each request was served with. Then the same stream is served again by a server alone
-(``OUT/control``: its own online recycling only, no daemon): the outputs are the same (lossless, same seeds),
-so the τ columns differ only by what the daemon's snapshots added. Writes ``OUT/loop.md`` (the table),
-``OUT/loop.json`` and ``OUT/loop.png``::
+Starts ``trainer serve`` with the shipped DFlash drafter under Graft's hybrid tree (``graft-dflash`` at a fixed
+budget: the drafter's tree, pruned, grafted from the shared adjacency; verifier logs to ``OUT/loop/logs``;
+watching ``OUT/loop/publish`` and ``OUT/loop/drafters``), ``trainer adapt graft`` (reading the logs, publishing
+adjacency snapshots to ``publish``; output in ``OUT/loop/daemon.log``) and ``trainer adapt bandit`` (reading the
+same logs, publishing drafter versions to ``drafters`` when an update pays; output in ``OUT/loop/bandit.log``,
+its decisions in ``OUT/loop/drafters/.state/decisions.jsonl``), then sends a prompt stream that shifts domain:
+held-out stdlib code (the tiny target's own domain), then the source of third-party packages installed next to
+it (never in its training data). Afterwards all processes are stopped and τ per request is read back from the
+verifier log (mean accepted drafts + 1 over the request's steps), with the adjacency and drafter versions the
+server had loaded when each request ended (requests are sent one at a time). Then the same stream is served
+again by a server alone (``OUT/control``: the shipped drafter and the server's own online adjacency, no
+daemon): the outputs are the same (lossless, same seeds), so the τ columns differ only by what the daemons'
+snapshots added. ``--drafter none`` serves drafter-free recycling with the graft daemon alone (τ then measures
+the adjacency alone). Writes ``OUT/loop.md`` (the table), ``OUT/loop.json`` and ``OUT/loop.png``::
 
-    python -m trainer.serve.loop --out runs/loop [--requests 40] [--max-tokens 48]
+    python -m trainer.serve.loop --out runs/loop [--requests 40] [--max-tokens 48] [--drafter none]
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ from pathlib import Path
 
 import httpx
 
+from trainer.adapt.bandit import SKIP
 from trainer.paths import project_path
 from trainer.serve.process import ServerProcess, python_process
 from trainer.vlog.schema import validate
 
-_GRAFT = "import sys; from trainer.adapt.cli import main; main(sys.argv[1:])"
+_ADAPT = "import sys; from trainer.adapt.cli import main; main(sys.argv[1:])"
+DRAFTER = "checkpoints/dflash_tiny"
 # Third-party packages the toolkit depends on: their source is out of the tiny target's domain.
 FOREIGN = ("httpx", "fastapi", "pydantic", "openai", "starlette", "uvicorn")
 
@@ -46,8 +52,9 @@ class Served:
     # Output tokens from its request record (0: none logged); a request whose first token (from prefill)
     # ends it has no verification steps.
     tokens: int
-    # The published adjacency version the request's steps were served with (0: none yet).
+    # The published adjacency and drafter versions loaded when the request ended (0: none yet).
     version: int
+    drafter_version: int = 0
 
 
 def prompts(n: int, seed: int = 0) -> dict[str, list[str]]:
@@ -68,56 +75,83 @@ def prompts(n: int, seed: int = 0) -> dict[str, list[str]]:
     return {"stdlib": [rng.choice(stdlib) for _ in range(n)], "foreign": foreign[:n]}
 
 
-def wait_for_version(server: ServerProcess, deadline: float) -> None:
-    """Before the domain shift: wait until the daemon's first snapshot is in use (it has read the stdlib phase)."""
-    while server.metric("trainer_adjacency_version") < 1:
-        if time.time() > deadline:
-            raise RuntimeError("the graft daemon published nothing the server loaded within 120 s")
-        time.sleep(0.5)
+def wait_for_versions(server: ServerProcess, metrics: list[str], deadline: float) -> None:
+    """Before the domain shift: wait until every daemon's first snapshot is in use (the graft daemon has read the
+    stdlib phase; the bandit daemon has published the drafter it starts from)."""
+    for metric in metrics:
+        while server.metric(metric) < 1:
+            if time.time() > deadline:
+                raise RuntimeError(f"{metric}: no published version was loaded within 120 s")
+            time.sleep(0.5)
 
 
 def run_loop(
-    out: Path, requests: int, max_tokens: int, temperature: float, publish_seconds: float, adapt: bool = True
+    out: Path,
+    requests: int,
+    max_tokens: int,
+    temperature: float,
+    publish_seconds: float,
+    adapt: bool = True,
+    drafter: str | None = DRAFTER,
 ) -> list[Served]:
-    """Serve ``requests`` stdlib prompts, wait for the daemon's first snapshot, then serve ``2 * requests``
-    foreign ones. Without ``adapt``: the same stream with no daemon (the server's own online learning only)."""
-    logs, publish_dir = out / "logs", out / "publish"
+    """Serve ``requests`` stdlib prompts, wait for the graft daemon's first snapshot, then serve ``2 * requests``
+    foreign ones. Without ``adapt``: the same stream with no daemon (the server's own online learning only).
+    ``drafter`` None: drafter-free recycling and no bandit daemon."""
+    logs, publish_dir, drafters = out / "logs", out / "publish", out / "drafters"
     publish_dir.mkdir(parents=True, exist_ok=True)
+    drafters.mkdir(exist_ok=True)
     stream = prompts(2 * requests)
     order = [("stdlib", p) for p in stream["stdlib"][:requests]] + [("foreign", p) for p in stream["foreign"]]
+    tree = (
+        ["--drafter", "none", "--tree", "recycling"]
+        if drafter is None
+        else ["--drafter", drafter, "--tree", "graft-dflash"]
+    )
+    watch = ["--watch", str(publish_dir)] + (["--watch", str(drafters)] if drafter is not None else [])
     server = ServerProcess(
-        ["--drafter", "none", "--tree", "recycling", "--budget", "16", "--logs", str(logs), "--log-prefix", "loop",
-         *(["--watch", str(publish_dir)] if adapt else [])]
-    )  # fmt: skip
-    daemon = None
+        [*tree, "--budget", "16", "--logs", str(logs), "--log-prefix", "loop", *(watch if adapt else [])]
+    )
+    target = str(project_path("checkpoints/target_tiny"))
+    daemons = {}
+    # The server's version gauges each daemon's snapshots move.
+    versions = ["adjacency"] + (["drafter"] if drafter is not None else [])
     if adapt:
-        daemon = python_process(
-            _GRAFT,
-            ["graft", "--logs", str(logs), "--publish", str(publish_dir), "--target",
-             str(project_path("checkpoints/target_tiny")), "--publish-seconds", str(publish_seconds),
-             "--commit-seconds", "1", "--poll-seconds", "0.2"],
+        daemons["graft"] = python_process(
+            _ADAPT,
+            ["graft", "--logs", str(logs), "--publish", str(publish_dir), "--target", target,
+             "--publish-seconds", str(publish_seconds), "--commit-seconds", "1", "--poll-seconds", "0.2"],
             log=out / "daemon.log",
         )  # fmt: skip
-    sent: list[tuple[str, str]] = []
+        if drafter is not None:
+            daemons["bandit"] = python_process(
+                _ADAPT,
+                ["bandit", "--logs", str(logs), "--drafter", drafter, "--publish", str(drafters), "--target", target,
+                 "--poll-seconds", "0.5"],
+                log=out / "bandit.log",
+            )  # fmt: skip
+    sent: list[tuple[str, str, int, int]] = []
     try:
         with httpx.Client(timeout=300) as http:
             for i, (domain, prompt) in enumerate(order):
                 if i == requests and adapt:
-                    wait_for_version(server, time.time() + 120)
+                    wait_for_versions(server, [f"trainer_{n}_version" for n in versions], time.time() + 120)
                 body = {"model": "target_tiny", "prompt": prompt, "max_tokens": max_tokens,
                         "temperature": temperature, "seed": i}  # fmt: skip
                 response = http.post(f"{server.url}/v1/completions", json=body)
                 if response.status_code != 200:
                     raise RuntimeError(f"request {i} failed: {response.status_code} {response.text}")
-                sent.append((domain, response.json()["id"]))
+                adjacency = int(server.metric("trainer_adjacency_version"))
+                sent.append((domain, response.json()["id"], adjacency, int(server.metric("trainer_drafter_version"))))
     finally:
         server.stop()
-        if daemon is not None:
+        for daemon in daemons.values():
             daemon.send_signal(signal.SIGTERM)
+        for daemon in daemons.values():
             daemon.wait(timeout=120)
-    if daemon is not None and daemon.returncode != 0:
-        output = (out / "daemon.log").read_text()[-2000:]
-        raise RuntimeError(f"the graft daemon exited with {daemon.returncode}; the end of its output:\n{output}")
+    for name, daemon in daemons.items():
+        if daemon.returncode != 0:
+            output = (out / ("daemon.log" if name == "graft" else "bandit.log")).read_text()[-2000:]
+            raise RuntimeError(f"the {name} daemon exited with {daemon.returncode}; the end of its output:\n{output}")
     steps: dict[str, list[dict]] = {}
     outputs: dict[str, int] = {}
     for segment in sorted(logs.glob("*.jsonl")):
@@ -128,12 +162,20 @@ def run_loop(
             else:
                 outputs[record["request"]] = len(record["output_ids"])
     served = []
-    for i, (domain, rid) in enumerate(sent):
+    for i, (domain, rid, adjacency, drafter_version) in enumerate(sent):
         mine = steps.get(rid, [])
         tau = sum(len(r["accepted"]) + 1 for r in mine) / max(len(mine), 1)
-        version = max((r["drafter_version"] or 0 for r in mine), default=0)
-        served.append(Served(i, domain, rid, tau, len(mine), outputs.get(rid, 0), version))
+        served.append(Served(i, domain, rid, tau, len(mine), outputs.get(rid, 0), adjacency, drafter_version))
     return served
+
+
+def bandit_decisions(out: Path) -> list[dict]:
+    """The bandit daemon's decisions in a loop's directory (``event`` "decision"; empty without the daemon)."""
+    path = out / "drafters" / ".state" / "decisions.jsonl"
+    if not path.is_file():
+        return []
+    entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [e for e in entries if e.get("event") == "decision"]
 
 
 def windows(served: list[Served], size: int) -> list[dict]:
@@ -146,6 +188,7 @@ def windows(served: list[Served], size: int) -> list[dict]:
             "requests": f"{chunk[0].index}-{chunk[-1].index}",
             "domain": chunk[0].domain,
             "versions": sorted({s.version for s in chunk}),
+            "drafter_versions": sorted({s.drafter_version for s in chunk}),
             "tau": sum(s.tau * s.steps for s in chunk) / max(steps, 1),
         })  # fmt: skip
     return rows
@@ -153,7 +196,7 @@ def windows(served: list[Served], size: int) -> list[dict]:
 
 def write_report(out: Path, served: list[Served], size: int, control: list[Served] | None = None) -> list[dict]:
     """``loop.md``, ``loop.json`` and ``loop.png``; with ``control`` (the same stream served without the
-    daemon), its τ per window beside the loop's."""
+    daemons), its τ per window beside the loop's."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -162,11 +205,15 @@ def write_report(out: Path, served: list[Served], size: int, control: list[Serve
     rows = windows(served, size)
     if control is not None:
         for row, other in zip(rows, windows(control, size), strict=True):
-            row["tau_without_daemon"] = other["tau"]
-    lines = ["| requests | domain | adjacency versions | τ | τ without daemon |", "|---|---|---|---|---|"]
+            row["tau_without_daemons"] = other["tau"]
+    lines = [
+        "| requests | domain | adjacency versions | drafter versions | τ | τ without daemons |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        without = f"{r['tau_without_daemon']:.3f}" if "tau_without_daemon" in r else ""
-        lines.append(f"| {r['requests']} | {r['domain']} | {r['versions']} | {r['tau']:.3f} | {without} |")
+        without = f"{r['tau_without_daemons']:.3f}" if "tau_without_daemons" in r else ""
+        cells = [r["requests"], r["domain"], r["versions"], r["drafter_versions"], f"{r['tau']:.3f}", without]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     (out / "loop.md").write_text("\n".join(lines) + "\n")
     record = {"requests": [asdict(s) for s in served], "windows": rows}
     (out / "loop.json").write_text(json.dumps(record, indent=1))
@@ -177,11 +224,15 @@ def write_report(out: Path, served: list[Served], size: int, control: list[Serve
     centers = [sum(map(int, r["requests"].split("-"))) / 2 for r in rows]
     ax.plot(centers, [r["tau"] for r in rows], "k-", label=f"τ per {size} requests")
     if control is not None:
-        ax.plot(centers, [r["tau_without_daemon"] for r in rows], "k--", label="the same without the daemon")
-    changes = [s.index for prev, s in itertools.pairwise(served) if s.version != prev.version]
+        ax.plot(centers, [r["tau_without_daemons"] for r in rows], "k--", label="the same without the daemons")
+    changes = [
+        s.index
+        for prev, s in itertools.pairwise(served)
+        if (s.version, s.drafter_version) != (prev.version, prev.drafter_version)
+    ]
     for x in changes:
         ax.axvline(x, color="gray", linestyle=":", linewidth=1)
-    ax.set_xlabel("request (dotted: a new published adjacency in use)")
+    ax.set_xlabel("request (dotted: a newly published adjacency or drafter in use)")
     ax.set_ylabel("τ (tokens per verification)")
     ax.legend(loc="upper right")
     fig.tight_layout()
@@ -198,20 +249,26 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--publish-seconds", type=float, default=5.0)
     p.add_argument("--window", type=int, default=10)
-    p.add_argument("--no-control", action="store_true", help="skip serving the stream again without the daemon")
+    p.add_argument("--drafter", default=DRAFTER, help="the served drafter the bandit updates; 'none': recycling alone")
+    p.add_argument("--no-control", action="store_true", help="skip serving the stream again without the daemons")
     args = p.parse_args()
     start = time.time()
-    served = run_loop(args.out / "loop", args.requests, args.max_tokens, args.temperature, args.publish_seconds)
+    drafter = None if args.drafter == "none" else args.drafter
+    run = (args.requests, args.max_tokens, args.temperature, args.publish_seconds)
+    served = run_loop(args.out / "loop", *run, drafter=drafter)
     control = None
     if not args.no_control:
-        control = run_loop(
-            args.out / "control", args.requests, args.max_tokens, args.temperature, args.publish_seconds, adapt=False
-        )
+        control = run_loop(args.out / "control", *run, adapt=False, drafter=drafter)
     rows = write_report(args.out, served, args.window, control)
     print((args.out / "loop.md").read_text())
     foreign = [r for r in rows if r["domain"] == "foreign"]
     print(f"foreign τ: first window {foreign[0]['tau']:.3f} (versions {foreign[0]['versions']}), last "
           f"{foreign[-1]['tau']:.3f} (versions {foreign[-1]['versions']}); {time.time() - start:.0f} s")  # fmt: skip
+    if drafter is not None:
+        decisions = bandit_decisions(args.out / "loop")
+        published = [d["published"] for d in decisions if d.get("published")]
+        print(f"bandit: {len(decisions)} decisions, {sum(d['arm'] != SKIP for d in decisions)} updates trained, "
+              f"published versions {published}")  # fmt: skip
 
 
 if __name__ == "__main__":
