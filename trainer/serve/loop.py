@@ -94,12 +94,13 @@ def run_loop(
     adapt: bool = True,
     drafter: str | None = DRAFTER,
 ) -> list[Served]:
-    """Serve ``requests`` stdlib prompts, wait for the graft daemon's first snapshot, then serve ``2 * requests``
+    """Serve ``requests`` stdlib prompts, wait for the daemons' first snapshots, then serve ``2 * requests``
     foreign ones. Without ``adapt``: the same stream with no daemon (the server's own online learning only).
     ``drafter`` None: drafter-free recycling and no bandit daemon."""
     logs, publish_dir, drafters = out / "logs", out / "publish", out / "drafters"
     publish_dir.mkdir(parents=True, exist_ok=True)
-    drafters.mkdir(exist_ok=True)
+    if drafter is not None:
+        drafters.mkdir(exist_ok=True)
     stream = prompts(2 * requests)
     order = [("stdlib", p) for p in stream["stdlib"][:requests]] + [("foreign", p) for p in stream["foreign"]]
     tree = (
