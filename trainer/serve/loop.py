@@ -5,7 +5,7 @@ budget: the drafter's tree, pruned, grafted from the shared adjacency; verifier 
 watching ``OUT/loop/publish`` and ``OUT/loop/drafters``), ``trainer adapt graft`` (reading the logs, publishing
 adjacency snapshots to ``publish``; output in ``OUT/loop/daemon.log``) and ``trainer adapt bandit`` (reading the
 same logs, publishing drafter versions to ``drafters`` when an update pays; output in ``OUT/loop/bandit.log``,
-its decisions in ``OUT/loop/drafters/.state/decisions.jsonl``), then sends a prompt stream that shifts domain:
+its decisions in ``OUT/loop/bandit-state/decisions.jsonl``), then sends a prompt stream that shifts domain:
 held-out stdlib code (the tiny target's own domain), then the source of third-party packages installed next to
 it (never in its training data). Afterwards all processes are stopped and τ per request is read back from the
 verifier log (mean accepted drafts + 1 over the request's steps), with the adjacency and drafter versions the
@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from trainer.adapt.bandit import SKIP
+from trainer.adapt.bandit_daemon import DECISIONS
 from trainer.paths import project_path
 from trainer.serve.process import ServerProcess, python_process
 from trainer.vlog.schema import validate
@@ -78,11 +79,10 @@ def prompts(n: int, seed: int = 0) -> dict[str, list[str]]:
 def wait_for_versions(server: ServerProcess, metrics: list[str], deadline: float) -> None:
     """Before the domain shift: wait until every daemon's first snapshot is in use (the graft daemon has read the
     stdlib phase; the bandit daemon has published the drafter it starts from)."""
-    for metric in metrics:
-        while server.metric(metric) < 1:
-            if time.time() > deadline:
-                raise RuntimeError(f"{metric}: no published version was loaded within 120 s")
-            time.sleep(0.5)
+    while min(server.metrics(*metrics)) < 1:
+        if time.time() > deadline:
+            raise RuntimeError(f"{metrics}: a daemon's first version was not loaded within 120 s")
+        time.sleep(0.5)
 
 
 def run_loop(
@@ -113,36 +113,34 @@ def run_loop(
         [*tree, "--budget", "16", "--logs", str(logs), "--log-prefix", "loop", *(watch if adapt else [])]
     )
     target = str(project_path("checkpoints/target_tiny"))
-    daemons = {}
-    # The server's version gauges each daemon's snapshots move.
-    versions = ["adjacency"] + (["drafter"] if drafter is not None else [])
-    if adapt:
-        daemons["graft"] = python_process(
-            _ADAPT,
-            ["graft", "--logs", str(logs), "--publish", str(publish_dir), "--target", target,
-             "--publish-seconds", str(publish_seconds), "--commit-seconds", "1", "--poll-seconds", "0.2"],
-            log=out / "daemon.log",
-        )  # fmt: skip
-        if drafter is not None:
-            daemons["bandit"] = python_process(
-                _ADAPT,
-                ["bandit", "--logs", str(logs), "--drafter", drafter, "--publish", str(drafters), "--target", target,
-                 "--poll-seconds", "0.5"],
-                log=out / "bandit.log",
-            )  # fmt: skip
+    # Per daemon: its output file and the server's gauge of the version it published.
+    files = {"graft": (out / "daemon.log", "trainer_adjacency_version")}
+    if drafter is not None:
+        files["bandit"] = (out / "bandit.log", "trainer_drafter_version")
+    arguments = {
+        "graft": ["--publish", str(publish_dir), "--publish-seconds", str(publish_seconds), "--commit-seconds", "1",
+                  "--poll-seconds", "0.2"],
+        "bandit": ["--drafter", str(drafter), "--publish", str(drafters), "--state", str(out / "bandit-state"),
+                   "--poll-seconds", "0.5"],
+    }  # fmt: skip
+    daemons = {
+        name: python_process(_ADAPT, [name, "--logs", str(logs), "--target", target, *arguments[name]], log=log)
+        for name, (log, _) in files.items()
+        if adapt
+    }
     sent: list[tuple[str, str, int, int]] = []
     try:
         with httpx.Client(timeout=300) as http:
             for i, (domain, prompt) in enumerate(order):
                 if i == requests and adapt:
-                    wait_for_versions(server, [f"trainer_{n}_version" for n in versions], time.time() + 120)
+                    wait_for_versions(server, [gauge for _, gauge in files.values()], time.time() + 120)
                 body = {"model": "target_tiny", "prompt": prompt, "max_tokens": max_tokens,
                         "temperature": temperature, "seed": i}  # fmt: skip
                 response = http.post(f"{server.url}/v1/completions", json=body)
                 if response.status_code != 200:
                     raise RuntimeError(f"request {i} failed: {response.status_code} {response.text}")
-                adjacency = int(server.metric("trainer_adjacency_version"))
-                sent.append((domain, response.json()["id"], adjacency, int(server.metric("trainer_drafter_version"))))
+                adjacency, drafter_version = server.metrics("trainer_adjacency_version", "trainer_drafter_version")
+                sent.append((domain, response.json()["id"], int(adjacency), int(drafter_version)))
     finally:
         server.stop()
         for daemon in daemons.values():
@@ -151,7 +149,7 @@ def run_loop(
             daemon.wait(timeout=120)
     for name, daemon in daemons.items():
         if daemon.returncode != 0:
-            output = (out / ("daemon.log" if name == "graft" else "bandit.log")).read_text()[-2000:]
+            output = files[name][0].read_text()[-2000:]
             raise RuntimeError(f"the {name} daemon exited with {daemon.returncode}; the end of its output:\n{output}")
     steps: dict[str, list[dict]] = {}
     outputs: dict[str, int] = {}
@@ -172,7 +170,7 @@ def run_loop(
 
 def bandit_decisions(out: Path) -> list[dict]:
     """The bandit daemon's decisions in a loop's directory (``event`` "decision"; empty without the daemon)."""
-    path = out / "drafters" / ".state" / "decisions.jsonl"
+    path = out / "bandit-state" / DECISIONS
     if not path.is_file():
         return []
     entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

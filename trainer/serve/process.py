@@ -51,8 +51,12 @@ class ServerProcess:
 
     def metric(self, name: str) -> float:
         """The value of a metric line of ``/metrics`` (summed over its exact label set)."""
+        return self.metrics(name)[0]
+
+    def metrics(self, *names: str) -> list[float]:
+        """The values of several metric lines from one scrape of ``/metrics``."""
         text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        return sum(float(v) for v in re.findall(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE))
+        return [sum(float(v) for v in re.findall(rf"^{re.escape(n)} (\S+)$", text, re.MULTILINE)) for n in names]
 
     def stop(self) -> None:
         """SIGTERM: the server finishes its requests and its verifier-log segment, then exits."""
