@@ -57,14 +57,14 @@ def test_parameter_names_shapes_and_config_follow_sglang(tmp_path):
     assert shapes["fc.weight"] == (32, 96)
     assert shapes["lm_head.weight"] == (40, 32)
     assert shapes["d2t"] == (40,) and shapes["t2d"] == (97,)
-    # HF hidden_states [2, L//2, L-3] of an 8-layer target = outputs of layers [1, 3, 4].
-    assert model.aux_layer_ids == [2, 4, 5] and model.target_layer_ids == [1, 3, 4]
+    # The outputs of layers [1, L//2 - 1, L - 4] of an 8-layer target = HF hidden_states [2, L//2, L-3].
+    assert model.target_layer_ids == [1, 3, 4] and model.aux_layer_ids == [2, 4, 5]
 
     model.save_pretrained(tmp_path / "e3")
     config = json.loads((tmp_path / "e3" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     assert config["num_hidden_layers"] == 1 and config["draft_vocab_size"] == 40
-    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}  # SGLang's convention
     assert config["rope_theta"] == 1e6  # the legacy key engines on transformers 4.x read
     with safe_open(str(tmp_path / "e3" / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == SGLANG_KEYS
@@ -73,8 +73,10 @@ def test_parameter_names_shapes_and_config_follow_sglang(tmp_path):
 def test_bad_configs_are_clear_errors():
     with pytest.raises(UserError, match="draft_vocab_size"):
         build_config(target_config(), 98)
-    with pytest.raises(UserError, match="hidden_states indices"):
-        build_config(target_config(), 40, aux_layer_ids=[2, 4, 9])
+    with pytest.raises(UserError, match=r"within the target's layers 0\.\.7"):
+        build_config(target_config(), 40, target_layer_ids=[1, 3, 8])
+    with pytest.raises(UserError, match="three target layers"):
+        build_config(target_config(), 40, target_layer_ids=[1, 3])
     with pytest.raises(UserError, match=">= 4 layers"):
         build_config(target_config(num_layers=3), 40)
 

@@ -29,6 +29,7 @@ from trainer.export import speculators, write_export
 from trainer.export.source import load_source
 from trainer.spec.drafting import load_drafter
 from trainer.spec.engine import BUILDERS, generate, make_session
+from trainer.target import Target, decoder_layers
 
 H = 32
 BLOCK = 4
@@ -107,6 +108,8 @@ def test_round_trip_gives_identical_outputs(setup, tmp_path, fmt, family, load):
     drafter = drafters[family]
     out = write_export(drafter, fmt, tmp_path / fmt, verifier=str(root / "target"))
     back = load(out).eval()
+    # The outputs below take the features as given; the layer ids say which target layers they come from.
+    assert layer_ids(back) == layer_ids(drafter)
     x = inputs()
     if family == "dflash" and fmt == "treeflash":
         # A DFlash drafter exported as TreeFlash has an identity approximator: its corrections are its marginals.
@@ -114,6 +117,11 @@ def test_round_trip_gives_identical_outputs(setup, tmp_path, fmt, family, load):
         return
     assert type(back) is type(drafter)
     torch.testing.assert_close(outputs(back, x), outputs(drafter, x), rtol=0, atol=0)
+
+
+def layer_ids(drafter) -> list[int]:
+    """The target layers (0-based, whose outputs are the features) a drafter of any family reads."""
+    return (drafter.model if isinstance(drafter, TreeFlashDraftModel) else drafter).target_layer_ids
 
 
 def test_treeflash_backbone_exports_as_dflash(setup, tmp_path):
@@ -253,8 +261,7 @@ def test_sglang_export_fits_llama_for_causal_lm_eagle3(setup, tmp_path):
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
     assert config["draft_vocab_size"] == DRAFT_VOCAB and config["rope_theta"] > 0
-    aux = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    assert aux == [2, 4, 5]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     h, heads, kv, d, inter = 32, 4, 2, 8, config["intermediate_size"]
     sglang_params = {
         "model.fc.weight": (h, 3 * h),
@@ -293,6 +300,125 @@ def test_sglang_export_fits_llama_for_causal_lm_eagle3(setup, tmp_path):
         filled[param] = filled.get(param, 0) + rows
     assert filled == {k: v[0] for k, v in sglang_params.items()}
     assert torch.equal(hot, eagle.to_target(torch.arange(DRAFT_VOCAB)))
+
+
+# ---- which target layers an engine feeds an exported drafter -------------------------------------------------
+# Each engine's capture rule, reimplemented from its code (quoted beside each), on the shipped target, whose layers'
+# outputs all differ: the features an engine gathers for the key it reads must be those the drafter was trained on
+# (trainer.target.Target over the drafter's target_layer_ids).
+
+
+@torch.no_grad()
+def residual_stream(model, ids: torch.Tensor, entering=(), leaving=()) -> torch.Tensor:
+    """One forward of ``model``: in layer order, the hidden state entering each decoder layer in ``entering`` and
+    leaving each in ``leaving``, concatenated. Shape: (B, T, n * H)"""
+    captured: list[torch.Tensor] = []
+
+    def before(module, args, kwargs):
+        captured.append(args[0] if args else kwargs["hidden_states"])
+
+    def after(module, args, output):
+        captured.append(output[0] if isinstance(output, tuple) else output)
+
+    layers = decoder_layers(model)
+    handles = [layers[i].register_forward_pre_hook(before, with_kwargs=True) for i in entering]
+    handles += [layers[i].register_forward_hook(after) for i in leaving]
+    try:
+        model(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.cat(captured, dim=-1)
+
+
+def sglang_reads(model, key: list[int], ids: torch.Tensor) -> torch.Tensor:
+    # sglang 0.5.23 srt/models/qwen3.py set_eagle3_layers_to_capture and set_dflash_layers_to_capture:
+    # `layers_to_capture = [val + 1 for val in layer_ids]`; the layer loop captures the stream entering layer i
+    # for each i in layers_to_capture.
+    layers_to_capture = [val + 1 for val in key]
+    return residual_stream(
+        model, ids, entering=[i for i in range(len(decoder_layers(model))) if i in layers_to_capture]
+    )
+
+
+def vllm_reads(model, key: list[int], ids: torch.Tensor) -> torch.Tensor:
+    # vllm 0.32: after layer layer_idx, `if layer_idx + 1 in self.aux_hidden_state_layers:
+    # aux_hidden_states.append(hidden_states)`; the speculators key is eagle_aux_hidden_state_layer_ids unchanged
+    # (transformers_utils/configs/speculators/algos.py update_eagle3, update_dflash).
+    aux_hidden_state_layers = list(key)
+    layers = range(len(decoder_layers(model)))
+    return residual_stream(model, ids, leaving=[i for i in layers if i + 1 in aux_hidden_state_layers])
+
+
+def vllm_reads_dflash(model, key: list[int], ids: torch.Tensor) -> torch.Tensor:
+    # vllm v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config: without
+    # eagle_aux_hidden_state_layer_ids, `[i + 1 for i in dflash_config["target_layer_ids"]]`, then as above.
+    return vllm_reads(model, [i + 1 for i in key], ids)
+
+
+@torch.no_grad()
+def dflash_package_reads(model, key: list[int], ids: torch.Tensor) -> torch.Tensor:
+    """The ``dflash`` package's own ``extract_context_feature`` (TreeFlash's ``tree_flash.py`` has the same one:
+    ``hidden_states[layer_id + 1]``)."""
+    dflash_model = pytest.importorskip("dflash.model")
+    return dflash_model.extract_context_feature(model(input_ids=ids, output_hidden_states=True).hidden_states, key)
+
+
+ENGINE_BOUNDARIES = [
+    # (shipped drafter, --format, the key's path in config.json, the engine's rule)
+    ("eagle3_tiny", "sglang", ("eagle_config", "eagle_aux_hidden_state_layer_ids"), sglang_reads),
+    ("eagle3_tiny", "speculators", ("eagle_aux_hidden_state_layer_ids",), vllm_reads),
+    ("dflash_tiny", "speculators", ("aux_hidden_state_layer_ids",), vllm_reads),
+    ("dflash_tiny", "dflash", ("dflash_config", "target_layer_ids"), sglang_reads),
+    ("dflash_tiny", "dflash", ("dflash_config", "target_layer_ids"), vllm_reads_dflash),
+    ("dflash_tiny", "dflash", ("dflash_config", "target_layer_ids"), dflash_package_reads),
+    ("treeflash_tiny", "treeflash", ("dflash_config", "target_layer_ids"), dflash_package_reads),
+]
+READERS = {"sglang": load_drafter, "dflash": load_drafter, "treeflash": load_drafter, "speculators": speculators.load}
+
+
+@pytest.mark.parametrize(
+    "name,fmt,key_path,engine_reads",
+    ENGINE_BOUNDARIES,
+    ids=[f"{b[0]}-{b[1]}-{b[3].__name__}" for b in ENGINE_BOUNDARIES],
+)
+def test_the_engine_feeds_the_drafter_the_layers_it_was_trained_on(tmp_path, name, fmt, key_path, engine_reads):
+    drafter = load_drafter(ROOT / "checkpoints" / name)
+    out = tmp_path / fmt
+    cli_main(["export", str(ROOT / "checkpoints" / name), "--format", fmt, "--out", str(out)])
+    key = json.loads((out / "config.json").read_text())
+    for field in key_path:
+        key = key[field]
+    trained = Target.from_pretrained(str(TINY_TARGET), layer_ids(drafter))
+    ids = torch.randint(0, trained.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    states = trained.model(input_ids=ids, output_hidden_states=True).hidden_states
+    assert all(not torch.equal(a, b) for i, a in enumerate(states) for b in states[i + 1 :])
+    torch.testing.assert_close(engine_reads(trained.model, key, ids), trained(ids, with_logits=False).features)
+    # Reading the directory back gives the drafter its own layers again.
+    assert layer_ids(READERS[fmt](out)) == layer_ids(drafter)
+    if name == "eagle3_tiny":
+        # Trained on the outputs of layers [1, 3, 4]: SGLang names them so, vLLM as HF hidden_states indices.
+        assert key == {"sglang": [1, 3, 4], "speculators": [2, 4, 5]}[fmt]
+
+
+@pytest.mark.parametrize("fmt,engine_reads", [("sglang", sglang_reads), ("speculators", vllm_reads)])
+def test_a_third_party_eagle3_directory_reads_as_its_engine_would(tmp_path, fmt, engine_reads):
+    """A drafter trained elsewhere on target layers [0, 2, 6] (not our default), in SGLang's or speculators'
+    layout: reading it (``init_from``, ``trainer eval``) gives the layers its engine would feed it."""
+    drafter = load_drafter(ROOT / "checkpoints" / "eagle3_tiny")
+    out = write_export(drafter, fmt, tmp_path / fmt)
+    config = json.loads((out / "config.json").read_text())
+    key = {"sglang": [0, 2, 6], "speculators": [1, 3, 7]}[fmt]
+    if fmt == "sglang":
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = key
+    else:
+        config["eagle_aux_hidden_state_layer_ids"] = key
+    (out / "config.json").write_text(json.dumps(config))
+    back = READERS[fmt](out)
+    assert back.target_layer_ids == [0, 2, 6]
+    trained = Target.from_pretrained(str(TINY_TARGET), back.target_layer_ids)
+    ids = torch.randint(0, trained.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(engine_reads(trained.model, key, ids), trained(ids, with_logits=False).features)
 
 
 def test_wrong_family_and_bad_sources_are_clear_errors(setup, tmp_path):

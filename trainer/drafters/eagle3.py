@@ -1,12 +1,11 @@
 """EAGLE-3 drafter (docs/algorithms.md §6): one decoder layer over fused target features, a reduced draft vocabulary.
 
-The target's hidden states of three layers - HF ``hidden_states`` indices ``[2, L//2, L-3]`` of an ``L``-layer
-target, i.e. the outputs of decoder layers ``[1, L//2-1, L-4]`` in this project's layer-id convention
-(``hidden_states[l+1]`` is the output of layer ``l``; :attr:`Eagle3DraftModel.target_layer_ids` gives them in
-that convention for :class:`trainer.target.Target`) - are concatenated per position and fused by
-``fc: 3H -> H``. One decoder layer (``midlayer``) then reads, per position, a hidden state ``h`` (the fused
-feature, or the drafter's own previous pre-norm output when it drafts further ahead) and the target's input
-embedding ``e`` of a token: its queries, keys and values are projected from
+The outputs of three target decoder layers - ``target_layer_ids``, by default ``[1, L//2-1, L-4]`` of an
+``L``-layer target in this project's layer-id convention (layer ``l``'s output is HF ``hidden_states[l+1]``, so
+these are ``hidden_states[2, L//2, L-3]``, :attr:`Eagle3DraftModel.aux_layer_ids`) - are concatenated per
+position and fused by ``fc: 3H -> H``. One decoder layer (``midlayer``) then reads, per position, a hidden state
+``h`` (the fused feature, or the drafter's own previous pre-norm output when it drafts further ahead) and the
+target's input embedding ``e`` of a token: its queries, keys and values are projected from
 ``concat[input_layernorm(e), hidden_norm(h)]`` (``2H`` wide), with RoPE and grouped-query attention; the
 residual stream is ``h``; a SwiGLU MLP follows. The final ``norm`` and ``lm_head`` give logits over the draft
 vocabulary; ``d2t`` maps a draft id ``d`` to the target id ``d + d2t[d]``, and ``t2d`` marks the target ids
@@ -16,9 +15,10 @@ Position ``t`` fed ``(f_t, E[x_{t+1}])`` predicts ``x_{t+2}``; fed its own outpu
 next position it predicts ``x_{t+3}``, and so on.
 
 Parameter names and ``config.json`` follow SGLang's ``LlamaForCausalLMEagle3`` export: a Llama config with
-``num_hidden_layers: 1``, ``draft_vocab_size``, ``eagle_config: {eagle_aux_hidden_state_layer_ids}`` and
-weights ``midlayer.*``, ``fc.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``. ``config.json``
-also carries the legacy ``rope_theta`` / ``rope_scaling`` keys for engines on transformers 4.x.
+``num_hidden_layers: 1``, ``draft_vocab_size``, ``eagle_config: {eagle_aux_hidden_state_layer_ids}`` (in SGLang's
+convention, :func:`sglang_layer_ids`: the ``target_layer_ids`` themselves) and weights ``midlayer.*``,
+``fc.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``. ``config.json`` also carries the legacy
+``rope_theta`` / ``rope_scaling`` keys for engines on transformers 4.x.
 
 On CPU, with a config-built Qwen3 target::
 
@@ -60,37 +60,47 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from trainer.drafters.common import DraftVocabHead, SdpaDrafter, drafter_config
+from trainer.drafters.common import DraftVocabHead, SdpaDrafter, drafter_config, valid_layer_ids
 from trainer.errors import UserError
 from trainer.masks import additive_mask
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
-def aux_layer_ids(num_target_layers: int) -> list[int]:
-    """EAGLE-3's feature layers as HF ``hidden_states`` indices: a low, a middle and a high layer."""
+def default_target_layer_ids(num_target_layers: int) -> list[int]:
+    """EAGLE-3's feature layers, a low, a middle and a high one: HF ``hidden_states[2, L//2, L-3]``, the outputs of
+    layers ``[1, L//2 - 1, L - 4]``."""
     if num_target_layers < 4:
         raise UserError(
-            f"EAGLE-3 reads target layers 2, L//2 and L-3: the target needs >= 4 layers, has {num_target_layers}"
+            f"EAGLE-3 reads target layers 1, L//2 - 1 and L - 4: the target needs >= 4 layers, has {num_target_layers}"
         )
-    return [2, num_target_layers // 2, num_target_layers - 3]
+    return [1, num_target_layers // 2 - 1, num_target_layers - 4]
 
 
-# build_config's argument `aux_layer_ids` shadows the function of that name inside it.
-_default_aux_layer_ids = aux_layer_ids
+def sglang_layer_ids(layer_ids: Sequence[int]) -> list[int]:
+    """SGLang's ``eagle_aux_hidden_state_layer_ids`` (the key of this drafter's ``config.json``) for the drafter's
+    :attr:`~Eagle3DraftModel.target_layer_ids`, and back: the same numbers, the 0-based ids of the target layers
+    whose outputs are the features. (HF ``hidden_states`` indices, one higher, are vLLM's meaning of the same key:
+    :func:`trainer.export.speculators.vllm_aux_layer_ids`.)"""
+    # sglang 0.5.23 srt/models/llama.py (qwen2.py, qwen3.py alike) LlamaForCausalLM.set_eagle3_layers_to_capture
+    # sets layers_to_capture = [id + 1 for id in layer_ids], and the model captures the residual stream entering
+    # each layer in layers_to_capture: id + 1's input, the output of layer id. The ids come unchanged from the
+    # draft config (srt/model_executor/model_runner_components/spec_aux_hidden_state.py
+    # _resolve_eagle_aux_hidden_state).
+    return [int(i) for i in layer_ids]
 
 
 def build_config(
     target_config: PretrainedConfig,
     draft_vocab_size: int,
-    aux_layer_ids: Sequence[int] | None = None,
+    target_layer_ids: Sequence[int] | None = None,
     **overrides: Any,
 ) -> LlamaConfig:
     """A drafter config for ``target_config``: its width, heads, RoPE, vocabulary size and norm eps.
 
     The hidden size must equal the target's (the inputs are the target's embeddings and hidden states);
-    ``intermediate_size`` and the rest may be overridden. ``aux_layer_ids`` are HF ``hidden_states`` indices,
-    default :func:`aux_layer_ids`.
+    ``intermediate_size`` and the rest may be overridden. ``target_layer_ids`` are the three target layers whose
+    outputs are the features, default :func:`default_target_layer_ids`.
     """
     text = target_config.get_text_config()
     num_target_layers = text.num_hidden_layers
@@ -98,17 +108,16 @@ def build_config(
         raise UserError(
             f"draft_vocab_size must be within 1..{text.vocab_size} (the target's vocabulary), got {draft_vocab_size}"
         )
-    aux = _default_aux_layer_ids(num_target_layers) if aux_layer_ids is None else [int(i) for i in aux_layer_ids]
-    if len(aux) != 3 or any(not 1 <= i <= num_target_layers for i in aux):
-        raise UserError(
-            f"eagle_aux_hidden_state_layer_ids {aux} must be three HF hidden_states indices within "
-            f"1..{num_target_layers} (the target's layer outputs)"
-        )
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(num_target_layers)
+    layer_ids = valid_layer_ids(target_layer_ids, num_target_layers)
+    if len(layer_ids) != 3:
+        raise UserError(f"EAGLE-3 reads three target layers; target_layer_ids {layer_ids} name {len(layer_ids)}")
     fields: dict[str, Any] = {
         "draft_vocab_size": draft_vocab_size,
         "attention_bias": False,
         "mlp_bias": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(layer_ids)},
         "architectures": [ARCHITECTURE],
     }
     for token in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -219,22 +228,21 @@ class Eagle3DraftModel(SdpaDrafter, DraftVocabHead, LlamaPreTrainedModel):
             raise UserError(
                 "an EAGLE-3 config needs draft_vocab_size and eagle_config.eagle_aux_hidden_state_layer_ids"
             )
-        self.aux_layer_ids: list[int] = [int(i) for i in eagle["eagle_aux_hidden_state_layer_ids"]]
+        self.target_layer_ids: list[int] = sglang_layer_ids(eagle["eagle_aux_hidden_state_layer_ids"])
         hidden, draft_vocab = config.hidden_size, config.draft_vocab_size
         self.midlayer = Eagle3DecoderLayer(config)
         # [H, 3H]: the three concatenated target hidden states to one hidden state per position.
-        self.fc = nn.Linear(len(self.aux_layer_ids) * hidden, hidden, bias=False)
+        self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
         self.register_draft_vocab(config.vocab_size, draft_vocab)
         self.post_init()
 
-    # ---- vocabulary ---------------------------------------------------------------------------------------
     @property
-    def target_layer_ids(self) -> list[int]:
-        """The feature layers in this project's layer-id convention (``hidden_states[l + 1]``), for ``Target``."""
-        return [i - 1 for i in self.aux_layer_ids]
+    def aux_layer_ids(self) -> list[int]:
+        """The feature layers as HF ``hidden_states`` indices (layer ``l``'s output is ``hidden_states[l + 1]``)."""
+        return [i + 1 for i in self.target_layer_ids]
 
     # ---- forward ------------------------------------------------------------------------------------------
     def make_cache(self) -> DynamicCache:

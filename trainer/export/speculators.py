@@ -6,10 +6,12 @@ default_proposal_method, verifier: {name_or_path, architectures}}``, the decoder
 ``transformer_layer_config`` and the algorithm's fields:
 
 - DFlash: ``block_size``, ``mask_token_id``, ``draft_vocab_size`` (the target's: DFlash drafts over the full
-  vocabulary), ``aux_hidden_state_layer_ids`` as HF ``hidden_states`` indices, i.e. our layer ids + 1 (vLLM also
-  feeds the target's last layer on its own, so that one may not be among them). Weights as in the reference
-  layout: ``layers.{i}.*``, ``fc``, ``hidden_norm``, ``norm``; the embedding and LM head are the verifier's.
-- EAGLE-3: ``draft_vocab_size``, ``eagle_aux_hidden_state_layer_ids`` (HF ``hidden_states`` indices),
+  vocabulary), ``aux_hidden_state_layer_ids`` in vLLM's convention (:func:`vllm_aux_layer_ids`: HF
+  ``hidden_states`` indices, our layer ids + 1; vLLM also feeds the target's last layer on its own, so that one
+  may not be among them). Weights as in the reference layout: ``layers.{i}.*``, ``fc``, ``hidden_norm``,
+  ``norm``; the embedding and LM head are the verifier's.
+- EAGLE-3: ``draft_vocab_size``, ``eagle_aux_hidden_state_layer_ids`` (vLLM's convention, as for DFlash; the
+  ``sglang`` layout writes the same key one lower, :func:`trainer.drafters.eagle3.sglang_layer_ids`),
   ``norm_before_residual: false`` (the residual is the raw hidden state). Weights: ``midlayer.*`` renamed
   ``layers.0.*``, ``fc``, ``norm``, ``lm_head``, and ``d2t`` / ``t2d`` when the draft vocabulary is reduced.
 
@@ -20,6 +22,7 @@ reads the drafter from the directory: ``vllm serve TARGET --speculative-config '
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,7 @@ from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel, Qwen3Co
 
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
-from trainer.drafters.eagle3 import Eagle3DraftModel
+from trainer.drafters.eagle3 import Eagle3DraftModel, sglang_layer_ids
 from trainer.errors import UserError
 from trainer.paths import project_path
 
@@ -50,6 +53,23 @@ DRAFTER_FIELDS = (
 )
 # EAGLE-3 drafts this many tokens per step unless the engine's speculative config says otherwise.
 EAGLE3_SPECULATIVE_TOKENS = 3
+
+
+def vllm_aux_layer_ids(target_layer_ids: Sequence[int]) -> list[int]:
+    """vLLM's ``aux_hidden_state_layer_ids`` (DFlash) and ``eagle_aux_hidden_state_layer_ids`` (EAGLE-3) for a
+    drafter trained on the outputs of target layers ``target_layer_ids``: HF ``hidden_states`` indices, each id + 1.
+    :func:`target_layer_ids_from_vllm` reads them back."""
+    # vllm model_executor/models/llama.py (qwen2.py, qwen3.py alike) LlamaModel.forward appends, for a key value k,
+    # the residual stream entering layer k (0.32: leaving layer k - 1, `if layer_idx + 1 in
+    # self.aux_hidden_state_layers` after layer layer_idx): the output of layer k - 1, HF hidden_states[k].
+    # transformers_utils/configs/speculators/algos.py (update_eagle3, update_dflash) hands the speculators key to
+    # that loop as eagle_aux_hidden_state_layer_ids unchanged.
+    return [int(i) + 1 for i in target_layer_ids]
+
+
+def target_layer_ids_from_vllm(aux_layer_ids: Sequence[int]) -> list[int]:
+    """The target layers whose outputs vLLM's ``aux_layer_ids`` name: the inverse of :func:`vllm_aux_layer_ids`."""
+    return [int(i) - 1 for i in aux_layer_ids]
 
 
 def transformer_layer_config(config: PretrainedConfig) -> dict[str, Any]:
@@ -79,7 +99,7 @@ def speculators_config(algorithm: str, tokens: int, verifier: str | None) -> dic
 
 def dflash_layout(drafter: DFlashDraftModel, verifier: str | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     config = drafter.config
-    aux = [i + 1 for i in drafter.target_layer_ids]
+    aux = vllm_aux_layer_ids(drafter.target_layer_ids)
     if config.num_target_layers in aux:
         raise UserError(
             f"the DFlash drafter reads the target's last layer ({config.num_target_layers - 1}), which vLLM "
@@ -107,7 +127,7 @@ def eagle3_layout(drafter: Eagle3DraftModel, verifier: str | None) -> tuple[dict
         "speculators_config": speculators_config("eagle3", EAGLE3_SPECULATIVE_TOKENS, verifier),
         "transformer_layer_config": transformer_layer_config(config),
         "draft_vocab_size": config.draft_vocab_size,
-        "eagle_aux_hidden_state_layer_ids": list(drafter.aux_layer_ids),
+        "eagle_aux_hidden_state_layer_ids": vllm_aux_layer_ids(drafter.target_layer_ids),
         "norm_before_residual": False,
         "target_hidden_size": None,
     }
@@ -143,7 +163,7 @@ def load(path: Path) -> DFlashDraftModel | Eagle3DraftModel:
             block_size=config["block_size"],
             dflash_config={
                 "mask_token_id": config["mask_token_id"],
-                "target_layer_ids": [i - 1 for i in config["aux_hidden_state_layer_ids"]],
+                "target_layer_ids": target_layer_ids_from_vllm(config["aux_hidden_state_layer_ids"]),
             },
         )
         drafter = DFlashDraftModel(Qwen3Config.from_dict(layer))
@@ -151,7 +171,11 @@ def load(path: Path) -> DFlashDraftModel | Eagle3DraftModel:
         layer.update(
             architectures=[EAGLE3_ARCHITECTURE],
             draft_vocab_size=config["draft_vocab_size"],
-            eagle_config={"eagle_aux_hidden_state_layer_ids": config["eagle_aux_hidden_state_layer_ids"]},
+            eagle_config={
+                "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(
+                    target_layer_ids_from_vllm(config["eagle_aux_hidden_state_layer_ids"])
+                )
+            },
         )
         drafter = Eagle3DraftModel(LlamaConfig.from_dict(layer))
         weights = {k.replace("layers.0.", "midlayer.", 1): v for k, v in weights.items()}
