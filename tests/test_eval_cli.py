@@ -113,7 +113,7 @@ def test_eval_finishes_when_plots_fail(setup, capsys, monkeypatch, tmp_path):
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--dtype", "float33"], "argument --dtype: invalid choice: 'float33'"),
+        (["--dtype", "float33"], "--dtype 'float33' is not one of float32, bfloat16, float16"),
         (["--max-new-tokens", "many"], "argument --max-new-tokens: invalid int value: 'many'"),
         (["--budget", "4,x"], "--budget takes a comma-separated list of int"),
         (["--device", "gpu0"], "--device 'gpu0' is not a device"),

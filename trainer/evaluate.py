@@ -35,6 +35,7 @@ from rich.progress import Progress
 from transformers import AutoTokenizer, PreTrainedModel
 
 from trainer.adapt.publish import load_adjacency, read_current
+from trainer.devices import add_device_arguments, parse_device, parse_dtype
 from trainer.errors import ArgumentParser, UserError
 from trainer.io import write_text_atomic
 from trainer.paths import project_path
@@ -50,7 +51,6 @@ from trainer.vlog.writer import LogWriter
 PHASES = ("draft", "tree", "verify", "commit")
 # Plain decoding: the engine with the empty tree.
 PLAIN = "none"
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------------
@@ -100,17 +100,6 @@ def recipe_target(recipe: Path) -> str:
         return config["model"]["init_args"]["target"]
     except (KeyError, TypeError):
         raise UserError(f"{recipe} names no model.init_args.target; pass --target") from None
-
-
-def parse_device(text: str) -> torch.device:
-    """``--device`` as a torch device that this machine has."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise UserError(f"--device {text!r} is not a device (cpu, cuda, cuda:1, ...)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {text}: CUDA is not available on this machine")
-    return device
 
 
 def refresh_adjacency(memory: RecyclingSession, publish_dir: Path) -> None:
@@ -436,8 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="decode max-new-tokens even past end-of-text")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="target and drafter dtype")
+    add_device_arguments(p, "the target and the drafter")
     return p
 
 
@@ -454,7 +442,7 @@ def main(argv: list[str]) -> None:
         raise UserError("--max-new-tokens must be at least 1")
     if args.limit is not None and args.limit < 1:
         raise UserError("--limit must be at least 1 prompt")
-    device = parse_device(args.device)
+    device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     try:
         headline = Sampling(args.temperature, args.top_p, args.top_k)
     except ValueError as e:
@@ -474,12 +462,12 @@ def main(argv: list[str]) -> None:
             if recipe is None:
                 raise UserError(f"{hf} comes without a run recipe naming its target; pass --target")
             target_name = recipe_target(recipe)
-        drafter = load_drafter(hf, getattr(torch, args.dtype)).to(device)
+        drafter = load_drafter(hf, dtype).to(device)
     elif any(BUILDERS[t].session is not RecyclingSession for t in trees):
         raise UserError(f"trees {trees} need a drafter: pass --drafter")
     if target_name is None:
         raise UserError("pass --target (no drafter run to take it from)")
-    target = load_causal_lm(target_name, args.dtype, device=device)
+    target = load_causal_lm(target_name, dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(str(project_path(target_name)))
     encoded = [torch.tensor(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) for r in prompts]
     if any(e.numel() == 0 for e in encoded):
@@ -506,7 +494,7 @@ def main(argv: list[str]) -> None:
         prompts=str(args.prompts),
         n_prompts=len(prompts),
         max_new_tokens=args.max_new_tokens,
-        device=args.device,
+        device=str(device),
         dtype=args.dtype,
         tree_options=asdict(options),
         adjacency=str(args.adjacency) if args.adjacency else None,
