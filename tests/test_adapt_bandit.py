@@ -559,3 +559,28 @@ def test_context_novelty_drift_and_cached_features(tmp_path):
     daemon._batch(replay)
     assert daemon.shadow(daemon.drafter) == pytest.approx(first) and forwards == []
     daemon.close()
+
+
+def test_daemon_features_in_bfloat16_drafter_trains_in_float32(tmp_path):
+    """``--dtype bfloat16``: the target that computes features holds bf16 weights and its features are bf16; the
+    served drafter and its candidates keep float32 weights and train and are shadow-evaluated on those features
+    under autocast (a float32 drafter fed bf16 features through the bf16 target head fails without it)."""
+    _write_log(tmp_path / "logs", "seg-000001-1000", 1, accepted=[3])
+    arms = (Arm("full-1", "full", 1, 1e-3),)
+    daemon = BanditDaemon(tmp_path / "logs", DFLASH_TINY, tmp_path / "pub", tmp_path / "state", TINY_TARGET,
+                          BanditConfig(window_steps=8, horizon_requests=1e6, explore_share=1e3), arms=arms,
+                          device=torch.device("cpu"), dtype=torch.bfloat16)  # fmt: skip
+    assert {p.dtype for p in daemon.target.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in daemon.drafter.parameters()} == {torch.float32}
+    daemon.read()
+    batch = daemon._batch(Replay.from_json(daemon.state["replay"]))
+    assert batch["features"].dtype == torch.bfloat16
+    candidate = daemon.train(arms[0])
+    assert {p.dtype for p in candidate.parameters()} == {torch.float32}
+    assert math.isfinite(daemon.shadow(candidate))
+    daemon.state["ref"]["1"] = 4.5  # τ fell from 4.5 to 4: worth an update
+    assert daemon.run(once=True) == 0
+    decision = _journal(tmp_path)[-1]
+    assert decision["arm"] == "full-1" and "failed" not in decision
+    assert math.isfinite(decision["shadow_served"]) and math.isfinite(decision["shadow_candidate"])
+    daemon.close()

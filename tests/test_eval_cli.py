@@ -49,6 +49,7 @@ def test_eval_writes_summary_for_every_tree_budget_and_condition(setup, capsys):
             assert set(by_budget) == {"4", "8"}
             for budget, r in by_budget.items():
                 assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0 and r["speedup"] > 0
+                assert r["speedup_prompts"]["n"] == 2 and all(p["speedup"] > 0 for p in r["prompts"])
                 assert r["lossless"] is True
                 assert r["mean_tree_size"] <= int(budget)
                 assert [p["id"] for p in r["prompts"]] == ["p0", "p1"]
@@ -112,7 +113,7 @@ def test_eval_finishes_when_plots_fail(setup, capsys, monkeypatch, tmp_path):
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--dtype", "float33"], "argument --dtype: invalid choice: 'float33'"),
+        (["--dtype", "float33"], "--dtype 'float33' is not one of float32, bfloat16, float16"),
         (["--max-new-tokens", "many"], "argument --max-new-tokens: invalid int value: 'many'"),
         (["--budget", "4,x"], "--budget takes a comma-separated list of int"),
         (["--device", "gpu0"], "--device 'gpu0' is not a device"),
@@ -186,3 +187,75 @@ def test_eval_starts_graft_warm_from_a_published_snapshot(setup, capsys, tmp_pat
                               "--prompts", str(setup / "prompts.jsonl"), "--tree", "graft-dflash",
                               "--adjacency", str(publish), "--out", str(tmp_path / "o"))  # fmt: skip
     assert "outside" in err and "version 3" in err
+
+
+class SimulatedClock:
+    """Seconds that pass only in forwards, by a GPU-like cost model: a target forward costs 1 whatever its rows
+    (verifying a few dozen tokens costs about one token on a large target), a drafter forward 0.1, and a target
+    forward at an input shape not seen before 50 more (a kernel's first launch at a shape selects and loads it).
+    Driven by forward pre-hooks, read through ``evaluate``'s ``now``."""
+
+    def __init__(self, target, drafter) -> None:
+        self.seconds = 0.0
+        self.shapes: set[tuple[int, ...]] = set()
+        target.register_forward_pre_hook(self.target_forward, with_kwargs=True)
+        drafter.register_forward_pre_hook(self.drafter_forward, with_kwargs=True)
+
+    def target_forward(self, module, args, kwargs) -> None:
+        shape = tuple(kwargs["input_ids"].shape)
+        self.seconds += 1.0 if shape in self.shapes else 51.0
+        self.shapes.add(shape)
+
+    def drafter_forward(self, module, args, kwargs) -> None:
+        self.seconds += 0.1
+
+    def __call__(self) -> float:
+        return self.seconds
+
+
+def test_eval_speedup_at_tau_one_is_at_most_one(setup):
+    """A drafter that never matches (τ = 1) cannot be faster than plain decoding: each of its steps is a plain
+    step plus a drafter forward. A configuration timed cold (plain decoding first and unwarmed, as on the first
+    GPU run) or a ratio taken the wrong way round would read above 1 here."""
+    import torch
+
+    from trainer.evaluate import evaluate
+    from trainer.spec.drafting import load_drafter
+    from trainer.spec.verify import Sampling
+    from trainer.target import load_causal_lm
+
+    target = load_causal_lm(str(setup / "target"))
+    drafter = load_drafter(setup / "dflash")
+    with torch.no_grad():
+        # The drafter's normed hidden states are 0, so its logits through the target's head are all 0 and its
+        # chain drafts token 0 at every depth; the target's logit of token 0 is 0 too, below its best one.
+        drafter.norm.weight.zero_()
+        target.lm_head.weight[0].zero_()
+    clock = SimulatedClock(target, drafter)
+    prompts = [{"id": f"p{i}", "prompt": ""} for i in range(3)]
+    encoded = [torch.tensor([5 + i, 9, 17 + 2 * i]) for i in range(3)]
+    summary = evaluate(
+        target, drafter, prompts, encoded, ["chain"], [4], {"greedy": Sampling()}, max_new_tokens=10, seed=0,
+        check_lossless=True, stop_token_ids=set(), now=clock,
+    )  # fmt: skip
+    entry = summary["conditions"]["greedy"]
+    run = entry["runs"]["chain"]["4"]
+    assert run["tau"] == 1.0 and run["lossless"] is True
+    assert all(p["tau"] == 1.0 for p in run["prompts"])
+    # 9 plain steps of 1 against 9 steps of 1 + 0.1: every ratio is 1 / 1.1.
+    assert run["speedup"] == pytest.approx(1 / 1.1)
+    assert [p["speedup"] for p in run["prompts"]] == pytest.approx([1 / 1.1] * 3)
+    spread = run["speedup_prompts"]
+    assert spread["n"] == 3 and spread["median"] == pytest.approx(1 / 1.1) and spread["stderr"] == pytest.approx(0)
+    assert spread["q10"] <= spread["median"] <= spread["q90"] <= 1.0
+
+
+def test_speedup_spread_over_prompts():
+    from trainer.evaluate import spread
+
+    s = spread([1.0, None, 2.0, 3.0, 4.0])
+    assert s["n"] == 4 and s["mean"] == 2.5 and s["median"] == 2.5
+    # Sample standard deviation sqrt(5/3) over sqrt(4) prompts; quantiles interpolate linearly.
+    assert s["stderr"] == pytest.approx((5 / 3) ** 0.5 / 2)
+    assert s["q10"] == pytest.approx(1.3) and s["q90"] == pytest.approx(3.7)
+    assert spread([1.5])["stderr"] is None and spread([None])["n"] == 0

@@ -13,8 +13,9 @@ import torch
 from conftest import ROOT
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from trainer.data.regenerate import generate_batch, pick_device, read_resume_state, regenerate, stop_tokens
+from trainer.data.regenerate import generate_batch, read_resume_state, regenerate, stop_tokens
 from trainer.data.sources import load_text
+from trainer.devices import parse_device
 from trainer.errors import UserError
 
 MAX_NEW = 12
@@ -114,7 +115,7 @@ def records(raw: bytes) -> list[dict]:
 
 def test_greedy_matches_generate_turn_by_turn(model_dir: Path, chats: Path, greedy: bytes) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).to(pick_device()).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(parse_device(None)).eval()
     stops = stop_tokens(tokenizer)
     assert stops.ids == [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
 

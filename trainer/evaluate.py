@@ -1,13 +1,16 @@
 """``trainer eval``: a drafter inside lossless speculative decoding, against plain decoding in the same run.
 
 For every condition (the requested temperature and, beside a sampled run, greedy), every tree builder and
-every budget, each prompt is decoded by the engine; plain decoding of the same target runs in the same loop
-on the same prompt right before it, so machine noise hits both alike. Reports τ (tokens per verification),
-tokens/s, speed-up, acceptance by depth, drafter forwards and the split of time between drafting, tree
-building and verification, plus the loop fraction and 4-gram repetition of the outputs (a looping target
-inflates τ). With ``--check-lossless`` every output is compared with plain decoding: exactly for greedy and,
-for sampling, under the same seed — verification draws one target sample per committed position from the
-same generator as plain sampling, so a lossless engine reproduces plain sampling token for token.
+every budget, each prompt is decoded by the engine, and so is plain decoding of the same target (the engine
+with the empty tree). Every configuration, plain included, is warmed up on the first prompt before any is
+timed; then each prompt is decoded by every configuration in turn (the order rotated from prompt to prompt),
+so machine drift hits all alike. Reports τ (tokens per verification), tokens/s, speed-up (over all prompts,
+and its spread over the per-prompt ratios), acceptance by depth, drafter forwards and the split of time
+between drafting, tree building and verification, plus the loop fraction and 4-gram repetition of the
+outputs (a looping target inflates τ). With ``--check-lossless`` every output is compared with plain
+decoding: exactly for greedy and, for sampling, under the same seed — verification draws one target sample
+per committed position from the same generator as plain sampling, so a lossless engine reproduces plain
+sampling token for token.
 
 Writes ``summary.json``, ``summary.md`` and PNG plots to ``--out``. On CPU with the shipped tiny models::
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,6 +35,7 @@ from rich.progress import Progress
 from transformers import AutoTokenizer, PreTrainedModel
 
 from trainer.adapt.publish import load_adjacency, read_current
+from trainer.devices import add_device_arguments, parse_device, parse_dtype
 from trainer.errors import ArgumentParser, UserError
 from trainer.io import write_text_atomic
 from trainer.paths import project_path
@@ -44,7 +49,8 @@ from trainer.vlog.recorder import StepRecorder
 from trainer.vlog.writer import LogWriter
 
 PHASES = ("draft", "tree", "verify", "commit")
-DTYPES = ("float32", "bfloat16", "float16")
+# Plain decoding: the engine with the empty tree.
+PLAIN = "none"
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------------
@@ -94,17 +100,6 @@ def recipe_target(recipe: Path) -> str:
         return config["model"]["init_args"]["target"]
     except (KeyError, TypeError):
         raise UserError(f"{recipe} names no model.init_args.target; pass --target") from None
-
-
-def parse_device(text: str) -> torch.device:
-    """``--device`` as a torch device that this machine has."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise UserError(f"--device {text!r} is not a device (cpu, cuda, cuda:1, ...)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {text}: CUDA is not available on this machine")
-    return device
 
 
 def refresh_adjacency(memory: RecyclingSession, publish_dir: Path) -> None:
@@ -170,6 +165,27 @@ class Totals:
         }
 
 
+def prompt_speedup(run: Generation, plain: Generation) -> float | None:
+    """One prompt's speed-up: the run's decoded tokens per second over plain decoding's on the same prompt;
+    None when either decoded nothing after its first token (it stopped at once: no rate to compare)."""
+    if len(run.tokens) < 2 or len(plain.tokens) < 2 or run.decode_seconds <= 0 or plain.decode_seconds <= 0:
+        return None
+    return ((len(run.tokens) - 1) / run.decode_seconds) / ((len(plain.tokens) - 1) / plain.decode_seconds)
+
+
+def spread(ratios: list[float | None]) -> dict:
+    """The spread over prompts of per-prompt speed-ups: their count, mean, standard error of that mean
+    (None below 2 prompts), median and 10% / 90% quantiles (linear interpolation). Prompts without a
+    ratio (:func:`prompt_speedup`) are left out and not counted."""
+    values = np.array([r for r in ratios if r is not None], dtype=np.float64)
+    if values.size == 0:
+        return {"n": 0, "mean": None, "stderr": None, "median": None, "q10": None, "q90": None}
+    q10, median, q90 = np.quantile(values, [0.1, 0.5, 0.9]).tolist()
+    stderr = float(values.std(ddof=1) / np.sqrt(values.size)) if values.size > 1 else None
+    return {"n": int(values.size), "mean": float(values.mean()), "stderr": stderr, "median": median, "q10": q10,
+            "q90": q90}  # fmt: skip
+
+
 def degeneration(outputs: list[list[int]]) -> dict:
     return {
         "loop_fraction": float(np.mean([ends_in_loop(o) for o in outputs])),
@@ -193,12 +209,13 @@ def evaluate(
     log: LogWriter | None = None,
     drafter_name: str | None = None,
     publish_dir: Path | None = None,
+    now: Callable[[], float] = time.perf_counter,
 ) -> dict:
     """Every (condition, tree, budget) over every prompt, with plain decoding beside it. The summary dict.
     With ``log``, every measured speculative run writes its verifier log (request id ``cond/tree/budget/id``).
 
     ``publish_dir``: Token Recycling and Graft start from its current adjacency snapshot and load every newer
-    one that appears between requests."""
+    one that appears between requests. ``now``: the clock every decoding time is read from (``generate``'s)."""
     runs = [(c, t, b) for c in conditions for t in trees for b in budgets]
     # Token Recycling and Graft keep their adjacency matrix across requests ("hot start"): one per run.
     memories: dict[tuple, RecyclingSession] = {}
@@ -232,35 +249,40 @@ def evaluate(
             )  # fmt: skip
         g = generate(
             target, session, BUILDERS[tree], encoded[i], max_new_tokens, budget, conditions[cond], gen, stop_token_ids,
-            options, recorder,
+            options, recorder, now,
         )  # fmt: skip
         if recorder is not None:
             recorder.finish(encoded[i].tolist(), g.tokens)
         return g
 
-    # Warm-up outside the measurement: allocator, kernels, lazy imports.
-    for tree in trees:
-        run(next(iter(conditions)), tree, budgets[0], 0)
+    # Every configuration, plain decoding included, runs once unmeasured before any is timed: a first call pays
+    # for the allocator, kernel selection at its shapes and lazy imports, and must not land in one side of a ratio.
+    configurations = [(c, PLAIN, 0) for c in conditions] + runs
+    for cond, tree, budget in configurations:
+        run(cond, tree, budget, 0)
     memories.clear()
 
     with Progress(transient=True) as progress:
-        task = progress.add_task("decoding", total=len(prompts) * (len(runs) + len(conditions)))
+        task = progress.add_task("decoding", total=len(prompts) * len(configurations))
         for i, row in enumerate(prompts):
+            # Interleaved per prompt, in an order rotated from prompt to prompt, so that drift (clock boost,
+            # thermal state, a neighbour's load) hits every configuration alike and none always runs first.
+            shift = i % len(configurations)
+            outputs = {}
+            for cond, tree, budget in configurations[shift:] + configurations[:shift]:
+                outputs[cond, tree, budget] = run(cond, tree, budget, i, logged=tree != PLAIN)
+                progress.advance(task)
             for cond in conditions:
-                plain = run(cond, "none", 0, i)
+                plain = outputs[cond, PLAIN, 0]
                 baseline[cond].add(plain)
                 baseline_outputs[cond].append(plain.tokens)
-                progress.advance(task)
-                for tree in trees:
-                    for budget in budgets:
-                        key = (cond, tree, budget)
-                        g = run(cond, tree, budget, i, logged=True)
-                        totals[key].add(g)
-                        record = {"id": row["id"], "tau": g.tau, "tokens": g.tokens}
-                        if check_lossless:
-                            record["lossless"] = g.tokens == plain.tokens
-                        per_prompt[key].append(record)
-                        progress.advance(task)
+            for key in runs:
+                g, plain = outputs[key], outputs[key[0], PLAIN, 0]
+                totals[key].add(g)
+                record = {"id": row["id"], "tau": g.tau, "speedup": prompt_speedup(g, plain), "tokens": g.tokens}
+                if check_lossless:
+                    record["lossless"] = g.tokens == plain.tokens
+                per_prompt[key].append(record)
 
     summary: dict = {"conditions": {}}
     for cond, sampling in conditions.items():
@@ -275,6 +297,7 @@ def evaluate(
                 key = (cond, tree, budget)
                 result = totals[key].summary()
                 result["speedup"] = result["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
+                result["speedup_prompts"] = spread([p["speedup"] for p in per_prompt[key]])
                 result.update(degeneration([p["tokens"] for p in per_prompt[key]]))
                 if check_lossless:
                     result["lossless"] = all(p["lossless"] for p in per_prompt[key])
@@ -295,20 +318,26 @@ def markdown(summary: dict) -> str:
             f"Plain decoding: {plain['tokens_per_s']:.1f} tokens/s, loop fraction {plain['loop_fraction']:.2f}, "
             f"4-gram repetition {plain['repetition_4gram']:.3f}.",
             "",
-            "| tree | budget | τ | tokens/s | speed-up | drafter fwd/step | draft ms | tree ms | verify ms "
-            "| accept@1 | accept@4 | loop frac | lossless |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "Speed-up: tokens/s over plain decoding's, all prompts together, ± the standard error of the mean "
+            "per-prompt ratio; then the 10% and 90% quantiles of the per-prompt ratios.",
+            "",
+            "| tree | budget | τ | tokens/s | speed-up | per prompt q10–q90 | drafter fwd/step | draft ms | tree ms "
+            "| verify ms | accept@1 | accept@4 | loop frac | lossless |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for tree, by_budget in entry["runs"].items():
             for budget, r in by_budget.items():
                 acc = r["acceptance_by_depth"] + [0.0] * 4
                 ms = r["ms_per_step"]
                 lossless = {True: "yes", False: "**NO**"}.get(r.get("lossless"), "–")
+                per = r["speedup_prompts"]
+                error = f" ± {per['stderr']:.2f}" if per["stderr"] is not None else ""
+                quantiles = f"{per['q10']:.2f}–{per['q90']:.2f}" if per["n"] else "–"
                 lines.append(
-                    f"| {tree} | {budget} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× "
-                    f"| {r['drafter_forwards_per_step']:.2f} | {ms.get('draft', 0):.2f} | {ms.get('tree', 0):.2f} "
-                    f"| {ms.get('verify', 0):.2f} | {acc[0]:.2f} | {acc[3]:.2f} | {r['loop_fraction']:.2f} "
-                    f"| {lossless} |"
+                    f"| {tree} | {budget} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}×{error} "
+                    f"| {quantiles} | {r['drafter_forwards_per_step']:.2f} | {ms.get('draft', 0):.2f} "
+                    f"| {ms.get('tree', 0):.2f} | {ms.get('verify', 0):.2f} | {acc[0]:.2f} | {acc[3]:.2f} "
+                    f"| {r['loop_fraction']:.2f} | {lossless} |"
                 )
         lines.append("")
     return "\n".join(lines)
@@ -396,8 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="decode max-new-tokens even past end-of-text")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="target and drafter dtype")
+    add_device_arguments(p, "the target and the drafter")
     return p
 
 
@@ -414,7 +442,7 @@ def main(argv: list[str]) -> None:
         raise UserError("--max-new-tokens must be at least 1")
     if args.limit is not None and args.limit < 1:
         raise UserError("--limit must be at least 1 prompt")
-    device = parse_device(args.device)
+    device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     try:
         headline = Sampling(args.temperature, args.top_p, args.top_k)
     except ValueError as e:
@@ -434,12 +462,12 @@ def main(argv: list[str]) -> None:
             if recipe is None:
                 raise UserError(f"{hf} comes without a run recipe naming its target; pass --target")
             target_name = recipe_target(recipe)
-        drafter = load_drafter(hf, getattr(torch, args.dtype)).to(device)
+        drafter = load_drafter(hf, dtype).to(device)
     elif any(BUILDERS[t].session is not RecyclingSession for t in trees):
         raise UserError(f"trees {trees} need a drafter: pass --drafter")
     if target_name is None:
         raise UserError("pass --target (no drafter run to take it from)")
-    target = load_causal_lm(target_name, args.dtype, device=device)
+    target = load_causal_lm(target_name, dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(str(project_path(target_name)))
     encoded = [torch.tensor(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) for r in prompts]
     if any(e.numel() == 0 for e in encoded):
@@ -466,7 +494,7 @@ def main(argv: list[str]) -> None:
         prompts=str(args.prompts),
         n_prompts=len(prompts),
         max_new_tokens=args.max_new_tokens,
-        device=args.device,
+        device=str(device),
         dtype=args.dtype,
         tree_options=asdict(options),
         adjacency=str(args.adjacency) if args.adjacency else None,

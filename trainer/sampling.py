@@ -23,10 +23,13 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     """One index drawn with probability ``probs[i] / probs.sum()``: one uniform draw from ``generator`` placed in the
     float64 cumulative sum (``torch.multinomial`` measured 200 us for 8192 probabilities on CPU, this 15 us). A
     zero probability is never drawn: the first cumulative value above the draw is taken, and a draw that rounds up
-    to the total takes the last index with a positive probability. Shape: (V,) → () long"""
+    to the total takes the last index with a positive probability. The generator may live on another device than
+    ``probs`` (a server's per-request CPU generator with the model on a GPU): the draw is made there and moved.
+    Shape: (V,) → () long"""
     cdf = probs.double().cumsum(-1)
     total = cdf[-1:]
-    u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device) * total
+    where = probs.device if generator is None else generator.device
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=where).to(probs.device) * total
     return torch.minimum(torch.searchsorted(cdf, u, right=True), torch.searchsorted(cdf, total))[0]
 
 

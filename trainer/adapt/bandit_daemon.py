@@ -97,6 +97,7 @@ METRICS = "metrics.json"
 ALARM_EXIT = 3
 PENDING_REQUESTS = 512
 DEFAULT_CONFIG = BanditConfig()
+CPU = torch.device("cpu")
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -138,6 +139,8 @@ class BanditDaemon:
         keep: int = 5,
         seed: int = 0,
         console: Console | None = None,
+        device: torch.device = CPU,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         if config.shadow_acceptance not in ("sampled", "greedy"):
             raise UserError(f"--shadow-acceptance must be 'sampled' or 'greedy', got {config.shadow_acceptance!r}")
@@ -153,7 +156,10 @@ class BanditDaemon:
         except OSError as e:
             raise UserError(f"cannot create the state directory {self.state_dir}: {e.strerror}") from e
         self._lock = lock_state_dir(self.state_dir, "bandit")
-        model = load_causal_lm(str(project_path(target)), "float32")
+        # The target in ``dtype`` on ``device`` computes features; the drafters keep float32 weights beside it and
+        # compute in ``dtype`` under autocast (a recipe's bf16-mixed precision).
+        self.device, self.dtype = device, dtype
+        model = load_causal_lm(str(project_path(target)), dtype, device=device)
         self.vocab_size = model.config.vocab_size
         self.state = self._load_state() or self._fresh_state(Path(drafter))
         self.drafter = self._served_drafter()
@@ -245,7 +251,7 @@ class BanditDaemon:
         current = read_current(self.publish_dir)
         if current is None:
             raise UserError(f"nothing is published under {self.publish_dir}")
-        return load_drafter(current[1])
+        return load_drafter(current[1]).to(self.device)
 
     def _live(self, version: int | None) -> LiveTau:
         obj = self.state["live"].get(str(version))
@@ -438,11 +444,14 @@ class BanditDaemon:
         self.state["live"][str(version)] = live.to_json()
 
     # ---- updating ----------------------------------------------------------------------------------------
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
     def _batch(self, replay: Replay) -> dict[str, torch.Tensor]:
         picks = [self.rng.choice(replay.train) for _ in range(self.batch_requests)]
         seqs = [(r["prompt"] + r["output"])[: self.max_length] for r in picks]
         starts = [min(len(r["prompt"]), len(s) - 1) for r, s in zip(picks, seqs, strict=True)]
-        return context_batch(seqs, starts, pad_id=0, features=[self._features(seq) for seq in seqs])
+        return context_batch(seqs, starts, 0, [self._features(seq) for seq in seqs], self.device)
 
     def _features(self, seq: list[int]) -> dict[str, torch.Tensor]:
         """The target's features of one replayed sequence, computed once: every update step that draws it again,
@@ -451,7 +460,7 @@ class BanditDaemon:
         key = tuple(seq)
         row = self._feature_cache.get(key)
         if row is None:
-            batch = with_features(context_batch([seq], [0], pad_id=0), self.target, self.options.topk)
+            batch = with_features(context_batch([seq], [0], 0, device=self.device), self.target, self.options.topk)
             row = self._feature_cache[key] = {k: batch[k][0] for k in FEATURE_KEYS}
             while len(self._feature_cache) > 2 * self.config.buffer_requests:
                 self._feature_cache.pop(next(iter(self._feature_cache)))
@@ -480,7 +489,8 @@ class BanditDaemon:
         optimizer = torch.optim.AdamW(params, lr=arm.lr, weight_decay=0.0)
         for i in range(arm.steps):
             step = self.state["updates"] * 1000 + i
-            train_step(candidate, self.target, self._batch(replay), optimizer, step, self.options)
+            with self._autocast():
+                train_step(candidate, self.target, self._batch(replay), optimizer, step, self.options)
         if lora is not None:
             merged = lora.merge_and_unload()
             if tree:
@@ -504,7 +514,8 @@ class BanditDaemon:
             seq = request["prompt"] + request["output"]
             # Shape: (C, D, V) the drafter's distributions of depths 1..D at each logged root
             roots = [s["pos"] for s in steps]
-            logits = chain_logits(drafter, self.target, seq, roots, self.options, self._features(seq))
+            with self._autocast():
+                logits = chain_logits(drafter, self.target, seq, roots, self.options, self._features(seq)).float()
             k = len(steps[0]["topk_ids"][0])
             ids = torch.zeros(len(steps), depth, k, dtype=torch.long)
             logprobs = torch.full((len(steps), depth, k), -math.inf)
@@ -513,6 +524,7 @@ class BanditDaemon:
                 d = depths[c]
                 ids[c, :d] = torch.tensor(s["topk_ids"][:d])
                 logprobs[c, :d] = torch.tensor(s["topk_logprobs"][:d])
+            ids, logprobs, depths = ids.to(self.device), logprobs.to(self.device), depths.to(self.device)
             alpha = acceptance(logits, ids, logprobs, greedy=self.config.shadow_acceptance == "greedy")
             totals.append(expected_accepted(alpha, depths))
         if not totals:
@@ -549,9 +561,12 @@ def run_bandit(
     target: str | Path = "checkpoints/target_tiny",
     config: BanditConfig = DEFAULT_CONFIG,
     poll_seconds: float = 1.0,
+    device: torch.device = CPU,
+    dtype: torch.dtype = torch.float32,
 ) -> int:
     """The ``trainer adapt bandit`` command: SIGTERM/SIGINT finish the current decision, commit, exit 0."""
-    daemon = BanditDaemon(logs, drafter, publish_dir, state_dir or Path(publish_dir) / ".state", target, config)
+    state = state_dir or Path(publish_dir) / ".state"
+    daemon = BanditDaemon(logs, drafter, publish_dir, state, target, config, device=device, dtype=dtype)
     try:
         return run_until_signalled(daemon.stop, lambda: daemon.run(once, poll_seconds))
     finally:

@@ -18,6 +18,7 @@ from trainer.adapt import bandit_daemon, graft
 from trainer.adapt.bandit import BanditConfig
 from trainer.adapt.bandit_daemon import run_bandit
 from trainer.adapt.graft import DEFAULT_TARGET, GraftConfig, run_graft
+from trainer.devices import add_device_arguments, parse_device, parse_dtype
 from trainer.errors import ArgumentParser, UserError
 
 DEFAULTS = GraftConfig()
@@ -80,6 +81,7 @@ def bandit_parser() -> ArgumentParser:
     p.add_argument("--state", type=Path, default=None, help="state directory (default PUBLISH/.state)")
     p.add_argument("--once", action="store_true", help="read what is there, decide once, exit (default: tail)")
     p.add_argument("--poll-seconds", type=float, default=1.0, help="idle wait between looks at the log directory")
+    add_device_arguments(p, "the target (the drafters train in float32 on the same device)")
     g = p.add_argument_group("decision")
     for name, value in asdict(BANDIT).items():
         g.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
@@ -93,8 +95,12 @@ def main(argv: list[str]) -> None:
         return
     if argv[0] == "bandit":
         args = bandit_parser().parse_args(argv[1:])
+        device, dtype = parse_device(args.device), parse_dtype(args.dtype)
         config = BanditConfig(**{name: getattr(args, name) for name in asdict(BANDIT)})
-        code = run_bandit(args.logs, args.drafter, args.publish, args.state, args.once, args.target, config)
+        code = run_bandit(
+            args.logs, args.drafter, args.publish, args.state, args.once, args.target, config, args.poll_seconds,
+            device, dtype,
+        )  # fmt: skip
         if code:
             sys.exit(code)
         return

@@ -69,6 +69,7 @@ from transformers import (
 from trainer.data.prepare import load_tokenizer
 from trainer.data.render import turn_end_marker
 from trainer.data.sources import LoadReport, load_chat, load_text
+from trainer.devices import parse_device, parse_dtype
 from trainer.errors import UserError
 from trainer.sampling import draw, nucleus
 from trainer.target import load_causal_lm
@@ -99,11 +100,6 @@ class Decoding:
     top_p: float
     max_new_tokens: int
     seed: int
-
-
-def pick_device() -> torch.device:
-    """The device regeneration runs on: the first GPU when there is one, otherwise the CPU."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
@@ -246,7 +242,9 @@ def _line_id(line: bytes) -> str | None:
     return None
 
 
-def load_target(target: str, dtype: str, device: torch.device) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_target(
+    target: str, dtype: str | torch.dtype, device: torch.device
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The target model (eval mode, on ``device``) and its tokenizer from the same directory or hub id."""
     model = load_causal_lm(target, dtype, device=device)
     tokenizer = load_tokenizer(target)
@@ -371,6 +369,7 @@ def regenerate(
     seed: int = 0,
     strict: bool = False,
     dtype: str = "float32",
+    device: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     format: Literal["chat", "text"] = "chat",
     prompt_tokens: int = 64,
@@ -396,7 +395,9 @@ def regenerate(
         batch_size: Conversations generated together.
         seed: Seed of the sampling streams; the same seed gives the same output.
         strict: Stop at the first malformed input row instead of skipping it with a report.
-        dtype: Torch dtype of the target (float32, bfloat16, float16).
+        dtype: Weight dtype of the target: one of float32, bfloat16, float16.
+        device: Device of the target: cpu, cuda or cuda:N; default the first GPU when there is one, otherwise
+            the CPU.
         chat_template_kwargs: Template variables, e.g. {enable_thinking: false} for Qwen3; use the same ones
             as the training recipe's data.spec.chat_template_kwargs so prompts render as training sees them.
         format: chat (conversations) or text (plain text and code files, stdlib:train etc.; JSONL of "text").
@@ -404,6 +405,7 @@ def regenerate(
         limit: text only: at most this many windows, spread evenly over the corpus; default all.
     """
     _check_args(temperature, top_p, max_new_tokens, batch_size)
+    torch_device, torch_dtype = parse_device(device), parse_dtype(dtype)
     if prompt_tokens < 1:
         raise UserError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
     if limit is not None and limit < 1:
@@ -445,7 +447,7 @@ def regenerate(
     format_key = "text" if format == "text" else "messages"
     decoding = Decoding(temperature, top_p, max_new_tokens, seed)
     if pending:
-        model, tokenizer = load_target(target, dtype, pick_device())
+        model, tokenizer = load_target(target, torch_dtype, torch_device)
         stops = text_stops(tokenizer) if format == "text" else stop_tokens(tokenizer)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         columns = (

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import torch
 
+from trainer.devices import DTYPES
 from trainer.errors import UserError
 from trainer.export import FORMATS, export
-
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 import uvicorn
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedModel
 
+from trainer.devices import add_device_arguments, parse_device, parse_dtype
 from trainer.errors import UserError
 from trainer.paths import project_path
 from trainer.serve.app import Limits, build_app
@@ -58,17 +59,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the target's dir name)")
     p.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for")
     p.add_argument("--max-batch", type=int, default=16, help="requests verified together per step")
+    add_device_arguments(p, "the target and the drafter (a drafter published later too)")
     return p
+
+
+def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedModel | None]:
+    """The target and the drafter (None with ``--drafter none``) the server runs, on ``--device`` in
+    ``--dtype``, for inference."""
+    device, dtype = parse_device(args.device), parse_dtype(args.dtype)
+    target = load_causal_lm(str(project_path(args.target)), dtype, device=device).eval()
+    drafter = None if args.drafter == "none" else load_drafter(project_path(args.drafter), dtype).to(device)
+    return target, drafter
 
 
 def main(argv: list[str]) -> None:
     args = parser().parse_args(argv)
     torch.set_grad_enabled(False)
     target_dir = project_path(args.target)
-    target = load_causal_lm(str(target_dir)).eval()
+    target, drafter = load_models(args)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     options = TreeOptions.parse(args.tree_opt)
-    drafter = None if args.drafter == "none" else load_drafter(project_path(args.drafter))
     drafter_name = None if drafter is None else Path(args.drafter).name
     if args.tree == "auto":
         neural = args.neural_tree if drafter is not None else None

@@ -194,7 +194,7 @@ class Worker:
             self.adjacency_version = version
             self.metrics.adjacency_version.set(version)
         elif (path / "config.json").is_file():
-            drafter = load_drafter(path).to(self.engine.device)
+            drafter = load_drafter(path, self.engine.dtype).to(self.engine.device)
             if self.neural_tree is not None:
                 # Fails (UserError) when this drafter cannot serve the configured builder.
                 make_session(self.neural_tree, self.engine.target, drafter, self.engine.options)

@@ -75,23 +75,25 @@ DEFAULT_OPTIONS = TreeOptions()
 
 
 class Clock:
-    """Wall time per phase. On an accelerator, synchronises at phase boundaries so time lands where it is spent."""
+    """Wall time per phase. On CUDA every reading synchronises the device first, so time lands where the work
+    is spent, not where the host next waits for it. ``now`` reads seconds: ``time.perf_counter`` unless a
+    caller (a test's simulated clock) passes its own."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, now: Callable[[], float] = time.perf_counter) -> None:
         self.device = device
+        self._now = now
         self.seconds: dict[str, float] = {}
 
-    def _sync(self) -> None:
+    def now(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        return self._now()
 
     @contextmanager
     def __call__(self, phase: str):
-        self._sync()
-        start = time.perf_counter()
+        start = self.now()
         yield
-        self._sync()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + self.now() - start
 
 
 @dataclass(frozen=True)
@@ -516,11 +518,13 @@ def generate(
     stop_token_ids: set[int] | None = None,
     options: TreeOptions = DEFAULT_OPTIONS,
     on_step: Callable[[StepEvent], None] | None = None,
+    now: Callable[[], float] = time.perf_counter,
 ) -> Generation:
     """Decode up to ``max_new_tokens`` after ``prompt`` (Shape: (P,)). Lossless: greedy output equals the
     target's greedy decoding; sampled output is distributed as the target's sampling with ``sampling``.
     ``on_step`` is called after every verification step (timed as the ``log`` phase); it reports the
-    verifier's acceptance, which the last step may commit only in part (``max_new_tokens``, stop tokens)."""
+    verifier's acceptance, which the last step may commit only in part (``max_new_tokens``, stop tokens).
+    ``now`` is the clock every time is read from (see :class:`Clock`)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
     device = target.device
@@ -528,9 +532,9 @@ def generate(
     cache = growing_cache(target.config)
     cache_kw = _cache_kwarg(target)
     dtype = next(target.parameters()).dtype
-    clock = Clock(device)
+    clock = Clock(device, now)
 
-    start = time.perf_counter()
+    start = clock.now()
     prompt = prompt.to(device)
     with capture_layers(target, session.layer_ids) as states:
         out = target(
@@ -543,9 +547,9 @@ def generate(
     tokens = [sampling.next_token(logits[-1], generator)]
     session.start(prompt, layer_features(states, session.layer_ids, (0,)), logits)
     generation = Generation(tokens)
-    generation.prefill_seconds = time.perf_counter() - start
+    generation.prefill_seconds = clock.now() - start
 
-    start = time.perf_counter()
+    start = clock.now()
     past_len = prompt.numel()
     while len(tokens) < max_new_tokens and tokens[-1] not in stops:
         remaining = max_new_tokens - len(tokens)
@@ -597,5 +601,5 @@ def generate(
                 dict(clock.seconds),
             )
         )
-    generation.decode_seconds = time.perf_counter() - start
+    generation.decode_seconds = clock.now() - start
     return generation

@@ -96,11 +96,13 @@ def context_batch(
     loss_starts: list[int],
     pad_id: int,
     features: list[dict[str, torch.Tensor]] | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, torch.Tensor]:
     """Logged contexts (prompt + output ids) as a training batch, one sample per row: the loss covers positions
     from ``loss_starts[i]`` on (the output), as the chat template's loss mask covers a reply. ``features``, when
     given, are each sequence's target features computed before (``trainer.data.pack.FEATURE_KEYS``, Shape:
-    (len(sequence), ...) each), padded in as an offline batch's are, so no step computes them again."""
+    (len(sequence), ...) each), padded in as an offline batch's are, so no step computes them again. The batch
+    is on ``device`` (default the CPU)."""
     rows = [
         {
             "input_ids": ids,
@@ -111,7 +113,7 @@ def context_batch(
         }
         for i, (ids, start) in enumerate(zip(sequences, loss_starts, strict=True))
     ]
-    return collate_features(rows, pad_id)
+    return {k: v.to(device) for k, v in collate_features(rows, pad_id).items()}
 
 
 def step_loss(
@@ -177,7 +179,8 @@ def chain_logits(
     if min(roots, default=1) < 1:
         raise ValueError(f"a root at position {min(roots)}: a chain starts after at least one context token")
     given = None if features is None else [features]
-    batch = with_features(context_batch([sequence], [0], pad_id=0, features=given), target, options.topk)
+    device = next(drafter.parameters()).device
+    batch = with_features(context_batch([sequence], [0], 0, given, device), target, options.topk)
     depth = chain_depth(drafter, options)
     at = torch.tensor(roots, device=batch["input_ids"].device)
     if isinstance(drafter, Eagle3DraftModel):
