@@ -66,8 +66,9 @@ class MaskRule:
                 f"{(other.batch, other.q_len, other.kv_len)}"
             )
         first, second = self.predicate, other.predicate
-        return MaskRule(lambda b, q, k: first(b, q, k) & second(b, q, k), self.batch, self.q_len, self.kv_len,
-                        self.device)
+        return MaskRule(
+            lambda b, q, k: first(b, q, k) & second(b, q, k), self.batch, self.q_len, self.kv_len, self.device
+        )
 
     def dense(self) -> torch.Tensor:
         """The predicate on the full grid. Shape: (B, 1, Q, KV) bool."""
@@ -124,9 +125,7 @@ def block_rule(doc_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor
     return MaskRule(predicate, batch, n * block_size, t + n * block_size, doc_ids.device)
 
 
-def window_rule(
-    query_positions: torch.Tensor, key_positions: torch.Tensor, block_size: int, window: int
-) -> MaskRule:
+def window_rule(query_positions: torch.Tensor, key_positions: torch.Tensor, block_size: int, window: int) -> MaskRule:
     """The sliding-window restriction of a DFlash layer: query_positions (B, Q) of blocks of ``block_size``
     consecutive slots (one block may be shorter, in decoding), key_positions (B, KV) → (B, Q, KV).
 
@@ -248,7 +247,11 @@ def mask_bytes(mask: torch.Tensor | BlockMask | None) -> int:
 
 
 def block_mask_bytes(
-    tokens: int, anchors: int, block_size: int, path: str, dtype: torch.dtype = torch.bfloat16,
+    tokens: int,
+    anchors: int,
+    block_size: int,
+    path: str,
+    dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
 ) -> int:
     """Bytes of the DFlash training mask of one row (``tokens`` positions of one sample, ``anchors`` blocks of

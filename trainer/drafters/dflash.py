@@ -33,6 +33,7 @@ On CPU, with a config-built Qwen3 target::
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -191,8 +192,8 @@ class DFlashDraftModel(SdpaDrafter, Qwen3PreTrainedModel):
           built for ``self.attention`` (training: :func:`trainer.training.block_batches.block_mask_rule`). It is
           the full-attention layers' mask; sliding-window layers see its intersection with
           :func:`~trainer.drafters.attention.window_rule`, whose cached keys hold positions ``0..P-1``.
-        - ``past_key_values``: a ``DynamicCache`` that receives the new context and block keys of every layer
-          and supplies the cached ones. Keep the context, drop the block after drafting:
+        - ``past_key_values``: a ``DynamicCache`` (built from :attr:`cache_config`) that receives the new context
+          and block keys of every layer and supplies the cached ones. Keep the context, drop the block after drafting:
           ``past_key_values.crop(-Q)`` (transformers 5.24 takes the negative count to remove).
         - ``use_cache``: must be set with a cache (a cache passed in is always updated, as in the reference);
           without one there is nowhere to keep the keys, since the drafter returns only hidden states.
@@ -225,6 +226,15 @@ class DFlashDraftModel(SdpaDrafter, Qwen3PreTrainedModel):
             # Tensors that may need gradients go positionally, as gradient checkpointing requires.
             hidden_states = layer(hidden_states, position_embeddings, masks[layer_type], past_key_values, context)
         return hidden_states if return_prenorm else self.norm(hidden_states)
+
+    @property
+    def cache_config(self) -> Qwen3Config:
+        """The config to build this drafter's KV caches from: every layer a full one. Sliding layers apply their
+        window through the mask (:meth:`layer_masks`), which needs every cached key at its position; a
+        sliding-window cache layer would drop keys and break that."""
+        config = copy.deepcopy(self.config)
+        config.layer_types = ["full_attention"] * config.num_hidden_layers
+        return config
 
     def layer_masks(
         self,
