@@ -7,8 +7,10 @@ against), given the block masks the drafters build.
 
 import pytest
 import torch
+import yaml
 from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
 
+from trainer.cli import main
 from trainer.drafters import attention
 from trainer.drafters.attention import block_rule, describe_4b, mask_bytes, resolve_path, window_rule
 from trainer.drafters.common import SdpaDrafter
@@ -120,3 +122,15 @@ def test_paths_resolve_and_mask_sizes_at_the_4b_recipe():
     assert "float32: 369.10 MB" in sizes and "bfloat16: 184.55 MB" in sizes
     flex_mb = float(sizes.rpartition("flex block mask: ")[2].split()[0])
     assert 0 < flex_mb < 1
+
+
+@pytest.mark.parametrize("recipe", ["dflash_qwen3_4b", "eagle3_tiny"])
+def test_recipe_key_selects_the_path(recipe, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--recipe", recipe, "--model.attention", "dense", "--print_config"])
+    assert exc.value.code == 0
+    assert yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["attention"] == "dense"
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--recipe", recipe, "--model.attention", "sparse", "--print_config"])
+    assert exc.value.code != 0
+    assert "'auto', 'flex', 'dense'" in capsys.readouterr().err

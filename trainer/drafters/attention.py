@@ -82,6 +82,8 @@ class MaskRule:
     def block_mask(self) -> BlockMask:
         """The flex attention block mask of the predicate (shared by every head)."""
         predicate = self.predicate
+        # Built uncompiled, from the full (Q, KV) grid of the predicate: compiling create_block_mask took minutes
+        # on an H200 at dflash_qwen3_4b's shapes (and again per new shape) to save ~4 ms of a 120 ms step.
         return create_block_mask(
             lambda b, h, q, k: predicate(b, q, k), self.batch, None, self.q_len, self.kv_len, device=self.device
         )
@@ -246,28 +248,38 @@ def mask_bytes(mask: torch.Tensor | BlockMask | None) -> int:
     return sum(x.numel() * x.element_size() for x in tensors)
 
 
-def block_mask_bytes(
+def mask_memory(
     tokens: int,
     anchors: int,
     block_size: int,
     path: str,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
-) -> int:
-    """Bytes of the DFlash training mask of one row (``tokens`` positions of one sample, ``anchors`` blocks of
-    ``block_size``) built on ``path`` (``flex`` or ``dense``): what one training forward adds for its mask."""
+) -> dict[str, int | None]:
+    """The DFlash training mask of one row (``tokens`` positions of one sample, ``anchors`` blocks of
+    ``block_size``) built on ``path``: ``held``, the bytes the built mask keeps through the forward, and ``peak``,
+    the most memory building it took on CUDA (``None`` elsewhere: torch counts allocations there only)."""
     device = torch.device(device)
     doc_ids = torch.ones(1, tokens, dtype=torch.long, device=device)
     spread = torch.linspace(1, tokens - block_size - 1, anchors, device=device).long()[None]
     rule = block_rule(doc_ids, spread, torch.ones_like(spread, dtype=torch.bool), block_size)
-    return mask_bytes(rule.build(path, dtype))
+    if device.type != "cuda":
+        return {"held": mask_bytes(rule.build(path, dtype)), "peak": None}
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    built = rule.build(path, dtype)
+    torch.cuda.synchronize(device)
+    return {"held": mask_bytes(built), "peak": torch.cuda.max_memory_allocated(device) - before}
 
 
-def describe_4b() -> str:
+def describe_4b(device: torch.device | str = "cpu") -> str:
     """The DFlash mask of ``dflash_qwen3_4b`` (3072 tokens, 512 anchors x 16 slots) on each path, in MB."""
-    sizes = {
-        f"dense {str(dtype).removeprefix('torch.')}": block_mask_bytes(3072, 512, 16, "dense", dtype)
-        for dtype in (torch.float32, torch.bfloat16)
-    }
-    sizes["flex block mask"] = block_mask_bytes(3072, 512, 16, "flex")
-    return ", ".join(f"{name}: {size / 1e6:.2f} MB" for name, size in sizes.items())
+    paths = {"dense float32": ("dense", torch.float32), "dense bfloat16": ("dense", torch.bfloat16)}
+    paths["flex block mask"] = ("flex", torch.bfloat16)
+    parts = []
+    for name, (path, dtype) in paths.items():
+        memory = mask_memory(3072, 512, 16, path, dtype, device)
+        peak = "" if memory["peak"] is None else f" (building it: {memory['peak'] / 1e6:.2f} MB at peak)"
+        parts.append(f"{name}: {memory['held'] / 1e6:.2f} MB{peak}")
+    return ", ".join(parts)
