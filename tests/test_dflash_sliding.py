@@ -11,14 +11,16 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_target
+from conftest import ROOT, TINY_TARGET, make_tiny_target, randomised
 from safetensors.torch import load_file
-from transformers import DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from trainer.drafters.dflash import DFlashDraftModel, build_config
 from trainer.errors import UserError
 from trainer.export import speculators as speculators_format
 from trainer.export import write_export
+from trainer.spec.drafting import load_drafter
+from trainer.spec.engine import BUILDERS, generate, make_session
 from trainer.training.block_batches import block_mask_rule, make_blocks
 
 BLOCK = 4
@@ -48,12 +50,7 @@ def drafter(target_dir) -> DFlashDraftModel:
         sliding_window=WINDOW,
         use_sliding_window=True,
     )
-    model = DFlashDraftModel(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = 0.3 * torch.randn_like(param)
-            param.copy_(1 + noise if "norm" in name else noise)
-    return model
+    return randomised(DFlashDraftModel(config).eval())
 
 
 def training_forward(drafter, noise, features, position_ids, doc_ids, anchors):
@@ -177,3 +174,18 @@ def test_unsupported_layouts_are_refused(drafter, fields, match):
         setattr(config, key, value)
     with pytest.raises(UserError, match=match):
         DFlashDraftModel(config)
+
+
+def test_engine_decoding_with_sliding_layers_is_lossless():
+    # The shipped DFlash backbone with its first layer made a sliding one: drafts change, outputs must not.
+    target = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
+    config = copy.deepcopy(load_drafter(ROOT / "checkpoints" / "dflash_tiny").config)
+    config.update({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8})
+    drafter = DFlashDraftModel(config).eval()
+    drafter.load_state_dict(load_drafter(ROOT / "checkpoints" / "dflash_tiny").state_dict())
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, target.config.vocab_size, (40,), generator=g)
+    reference = target.generate(prompt[None], max_new_tokens=24, do_sample=False, eos_token_id=None)
+    for tree, budget in (("chain", 16), ("ddtree", 16)):
+        out = generate(target, make_session(tree, target, drafter), BUILDERS[tree], prompt, 24, budget=budget)
+        assert out.tokens == reference[0, prompt.numel() :].tolist(), tree
