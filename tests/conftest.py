@@ -30,6 +30,16 @@ def reference_dflash_model():
         pytest.fail("the reference package is missing: pip install --no-deps dflash==0.1.0 (README, Run the tests)")
 
 
+def randomised(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every weight drawn around its init's scale (norm weights around 1), so attention is far from
+    uniform and a wrong mask or position shows."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = 0.3 * torch.randn_like(param)
+            param.copy_(1 + noise if "norm" in name else noise)
+    return model
+
+
 def qwen3_config(num_layers: int = 8, vocab_size: int = 97, **fields: Any) -> Qwen3Config:
     """A tiny Qwen3 config: hidden 32, MLP 64, 4 query and 2 key/value heads of 8 dims, plus ``fields``."""
     return Qwen3Config(

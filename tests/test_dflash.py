@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import qwen3_config, reference_dflash_model
+from conftest import qwen3_config, randomised, reference_dflash_model
 from safetensors.torch import load_file
 from transformers import DynamicCache, Qwen3Config
 
@@ -58,12 +58,7 @@ def target_config() -> Qwen3Config:
 def drafter(target_config) -> DFlashDraftModel:
     torch.manual_seed(0)
     config = build_config(target_config, num_layers=2, block_size=BLOCK, mask_token_id=MASK_ID, intermediate_size=48)
-    model = DFlashDraftModel(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = 0.3 * torch.randn_like(param)
-            param.copy_(1 + noise if "norm" in name else noise)
-    return model
+    return randomised(DFlashDraftModel(config).eval())
 
 
 def reference_class():

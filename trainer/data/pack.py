@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from trainer.data.render import Rendered
+from trainer.drafters.attention import packed_causal_rule
 from trainer.errors import UserError
 from trainer.masks import additive_mask
 
@@ -108,9 +109,4 @@ def collate_features(rows: list[dict], pad_id: int) -> dict:
 
 def packed_attention_mask(doc_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Shape: doc_ids (B, T) → additive mask (B, 1, T, T). Causal within a sample; padding sees itself only."""
-    t = doc_ids.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    allowed = same & causal & (doc_ids[:, :, None] > 0)
-    allowed |= torch.eye(t, dtype=torch.bool, device=doc_ids.device)  # no all-masked row, so no NaN
-    return additive_mask(allowed, dtype)[:, None]
+    return additive_mask(packed_causal_rule(doc_ids).dense(), dtype)

@@ -1,8 +1,8 @@
 """What the drafters share: config fields copied from the target, their checks, SDPA, a Qwen3 decoder layer.
 
 Every drafter reads the target's input embeddings and hidden states, so its width, heads, RoPE, vocabulary and
-norm eps are the target's (:func:`drafter_config`); and every drafter's attention calls torch's SDPA itself with
-an explicit mask (:class:`SdpaDrafter`, :func:`trainer.masks.additive_mask`). DFlash and SpecBlock share one Qwen3
+norm eps are the target's (:func:`drafter_config`); and every drafter's attention runs SDPA or flex attention itself
+with an explicit mask (:class:`SdpaDrafter`, :mod:`trainer.drafters.attention`). DFlash and SpecBlock share one Qwen3
 decoder layer (:class:`DrafterDecoderLayer`), whose attention keys may be prefixed by a context that has no query of
 its own.
 """
@@ -15,12 +15,13 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+from torch.nn.attention.flex_attention import BlockMask
 from transformers import PretrainedConfig, Qwen3Config
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, rotate_half
 
+from trainer.drafters.attention import attend
 from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
 
@@ -82,8 +83,12 @@ def valid_layer_ids(layer_ids: Sequence[int], num_target_layers: int) -> list[in
 
 
 class SdpaDrafter:
-    """HF class attributes of a drafter (listed before its ``PreTrainedModel`` base) whose attention calls torch's
-    SDPA directly with an explicit mask: other attention kernels are not wired in, no outputs are recorded."""
+    """HF class attributes of a drafter (listed before its ``PreTrainedModel`` base) whose attention runs through
+    :func:`trainer.drafters.attention.attend` with an explicit mask: HF's attention kernels are not wired in, no
+    outputs are recorded. ``attention`` is the path a training mask (a ``MaskRule``) is built for: ``auto``,
+    ``flex`` or ``dense`` (:mod:`trainer.drafters.attention`); a run sets it, checkpoints do not hold it."""
+
+    attention: str = "auto"
 
     _supports_flash_attn = False
     _supports_flex_attn = False
@@ -161,11 +166,12 @@ class QKNormAttention(nn.Module):
         hidden_states: torch.Tensor,
         context: torch.Tensor | None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | BlockMask | None = None,
         cache: Cache | None = None,
     ) -> torch.Tensor:
         """Shape: hidden_states (B, Q, H), context (B, C, H) or None (C = 0), cos/sin (B, C + Q, D), attention_mask
-        additive (B, 1, Q, P + C + Q) with P the cached positions, or None (every key) → (B, Q, H)."""
+        additive (B, 1, Q, P + C + Q) with P the cached positions, a flex block mask of that shape, or None (every
+        key) → (B, Q, H)."""
         batch, q_len, _ = hidden_states.shape
         # Shape: (B, C + Q, H)
         kv_input = hidden_states if context is None else torch.cat([context, hidden_states], dim=1)
@@ -181,17 +187,7 @@ class QKNormAttention(nn.Module):
         if cache is not None:
             # Shape: (B, kv_heads, P + C + Q, D): rotated keys are cached, so a key keeps its position for good.
             key, value = cache.update(key, value, self.layer_idx)
-        # Grouped-query attention: each key/value head serves `num_key_value_groups` query heads.
-        key = key.repeat_interleave(self.num_key_value_groups, dim=1)
-        value = value.repeat_interleave(self.num_key_value_groups, dim=1)
-        out = F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            scale=self.scaling,
-        )
+        out = attend(query, key, value, attention_mask, self.scaling, self.attention_dropout if self.training else 0.0)
         # Shape: (B, Q, heads * D) -> (B, Q, H)
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
 
@@ -215,7 +211,7 @@ class DrafterDecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | BlockMask | None = None,
         cache: Cache | None = None,
         context: torch.Tensor | None = None,
     ) -> torch.Tensor:

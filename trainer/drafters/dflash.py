@@ -33,15 +33,18 @@ On CPU, with a config-built Qwen3 target::
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 from transformers import PretrainedConfig, Qwen3Config
 from transformers.cache_utils import Cache
 from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from trainer.drafters.attention import MaskRule, as_rule, window_rule
 from trainer.drafters.common import DrafterDecoderLayer, SdpaDrafter, drafter_config, valid_layer_ids
 from trainer.errors import UserError
 from trainer.masks import additive_mask
@@ -108,6 +111,27 @@ def build_config(
     return drafter_config(Qwen3Config, text, num_layers, fields, overrides)
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_layer_types(config: PretrainedConfig) -> list[str]:
+    """The type of each layer (``full_attention`` unless ``layer_types`` says otherwise), refused unless every
+    one is bidirectional full attention or a sliding window (causal in its block, as speculators writes such
+    layers) with a positive ``sliding_window``, and ``is_causal`` is unset."""
+    layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    problems = []
+    if len(layer_types) != config.num_hidden_layers or any(t not in LAYER_TYPES for t in layer_types):
+        problems.append(f"layer_types={layer_types} must name {config.num_hidden_layers} of {LAYER_TYPES}")
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in layer_types and not (isinstance(window, int) and window > 0):
+        problems.append(f"sliding layers need a positive sliding_window, got {window}")
+    if getattr(config, "is_causal", None) is not None:
+        problems.append(f"is_causal={config.is_causal} is not supported (full layers are bidirectional)")
+    if problems:
+        raise UserError(f"DFlashDraftModel cannot load this config: {'; '.join(problems)}")
+    return layer_types
+
+
 def _dflash_field(config: PretrainedConfig, name: str, default: Any = None) -> Any:
     """A DFlash setting: from ``dflash_config`` first, then the config's top level (where the reference looks)."""
     nested = getattr(config, "dflash_config", None) or {}
@@ -124,12 +148,7 @@ class DFlashDraftModel(SdpaDrafter, Qwen3PreTrainedModel):
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
-        layer_types = getattr(config, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types) or getattr(config, "is_causal", False):
-            raise UserError(
-                f"DFlashDraftModel supports only bidirectional full-attention layers; the config has "
-                f"layer_types={layer_types}, is_causal={getattr(config, 'is_causal', None)}"
-            )
+        self.layer_types = check_layer_types(config)
         self.target_layer_ids: list[int] = list(
             _dflash_field(
                 config,
@@ -154,7 +173,7 @@ class DFlashDraftModel(SdpaDrafter, Qwen3PreTrainedModel):
         noise_embedding: torch.Tensor,
         target_hidden: torch.Tensor,
         position_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | MaskRule | None = None,
         past_key_values: Cache | None = None,
         use_cache: bool = False,
         return_prenorm: bool = False,
@@ -169,10 +188,12 @@ class DFlashDraftModel(SdpaDrafter, Qwen3PreTrainedModel):
           them, queries the last Q.
         - ``attention_mask``: ``None`` lets every query see every key (inference: one block after its context),
           or a mask (B, 1, Q, P + C + Q) over the P cached and C + Q new keys, additive float (``0`` /
-          ``finfo.min``) or boolean (``True`` = may attend). Training builds one with
-          :func:`trainer.training.block_batches.block_attention_mask`.
-        - ``past_key_values``: a ``DynamicCache`` that receives the new context and block keys of every layer
-          and supplies the cached ones. Keep the context, drop the block after drafting:
+          ``finfo.min``) or boolean (``True`` = may attend), or a :class:`~trainer.drafters.attention.MaskRule`
+          built for ``self.attention`` (training: :func:`trainer.training.block_batches.block_mask_rule`). It is
+          the full-attention layers' mask; sliding-window layers see its intersection with
+          :func:`~trainer.drafters.attention.window_rule`, whose cached keys hold positions ``0..P-1``.
+        - ``past_key_values``: a ``DynamicCache`` (built from :attr:`cache_config`) that receives the new context
+          and block keys of every layer and supplies the cached ones. Keep the context, drop the block after drafting:
           ``past_key_values.crop(-Q)`` (transformers 5.24 takes the negative count to remove).
         - ``use_cache``: must be set with a cache (a cache passed in is always updated, as in the reference);
           without one there is nowhere to keep the keys, since the drafter returns only hidden states.
@@ -198,10 +219,46 @@ class DFlashDraftModel(SdpaDrafter, Qwen3PreTrainedModel):
         hidden_states = noise_embedding
         # Shape: cos, sin (B, C + Q, D)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        if attention_mask is not None:
-            attention_mask = additive_mask(attention_mask, hidden_states.dtype)
+        cached = past_key_values.get_seq_length() if past_key_values is not None else 0
+        masks = self.layer_masks(attention_mask, position_ids, cached, q_len, hidden_states.dtype)
 
-        for layer in self.layers:
+        for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
             # Tensors that may need gradients go positionally, as gradient checkpointing requires.
-            hidden_states = layer(hidden_states, position_embeddings, attention_mask, past_key_values, context)
+            hidden_states = layer(hidden_states, position_embeddings, masks[layer_type], past_key_values, context)
         return hidden_states if return_prenorm else self.norm(hidden_states)
+
+    @property
+    def cache_config(self) -> Qwen3Config:
+        """The config to build this drafter's KV caches from: every layer a full one. Sliding layers apply their
+        window through the mask (:meth:`layer_masks`), which needs every cached key at its position; a
+        sliding-window cache layer would drop keys and break that."""
+        config = copy.deepcopy(self.config)
+        config.layer_types = ["full_attention"] * config.num_hidden_layers
+        return config
+
+    def layer_masks(
+        self,
+        attention_mask: torch.Tensor | MaskRule | None,
+        position_ids: torch.Tensor,
+        cached: int,
+        q_len: int,
+        dtype: torch.dtype,
+    ) -> dict[str, torch.Tensor | BlockMask | None]:
+        """The mask of each layer type (see :meth:`forward`): a rule is built for ``self.attention``, an explicit
+        mask or ``None`` (decoding) stays dense."""
+        rule = attention_mask if isinstance(attention_mask, MaskRule) else None
+        if rule is not None:
+            full = rule.build(self.attention, dtype)
+        else:
+            full = None if attention_mask is None else additive_mask(attention_mask, dtype)
+        masks: dict[str, torch.Tensor | BlockMask | None] = {"full_attention": full}
+        if "sliding_attention" in self.layer_types:
+            batch, device = position_ids.shape[0], position_ids.device
+            key_positions = torch.cat([torch.arange(cached, device=device).expand(batch, -1), position_ids], dim=1)
+            window = window_rule(position_ids[:, -q_len:], key_positions, self.block_size, self.config.sliding_window)
+            if rule is None:
+                rule = as_rule(attention_mask, batch, q_len, key_positions.shape[1], device)
+                masks["sliding_attention"] = (rule & window).build("dense", dtype)
+            else:
+                masks["sliding_attention"] = (rule & window).build(self.attention, dtype)
+        return masks

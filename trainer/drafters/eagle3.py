@@ -49,7 +49,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+from torch.nn.attention.flex_attention import BlockMask
 from transformers import LlamaConfig, PretrainedConfig
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.models.llama.modeling_llama import (
@@ -60,6 +60,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from trainer.drafters.attention import MaskRule, attend
 from trainer.drafters.common import DraftVocabHead, SdpaDrafter, drafter_config, valid_layer_ids
 from trainer.errors import UserError
 from trainer.masks import additive_mask
@@ -155,11 +156,11 @@ class Eagle3Attention(nn.Module):
         self,
         x: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | BlockMask,
         cache: Cache | None,
         update_cache: bool,
     ) -> torch.Tensor:
-        # Shape: x (B, T, 2H); attention_mask (B or 1, 1, T, P + T) additive, P the cached positions
+        # Shape: x (B, T, 2H); attention_mask (B or 1, 1, T, P + T) additive or a block mask, P the cached positions
         batch, q_len, _ = x.shape
         # Shape: query (B, heads, T, D); key, value (B, kv_heads, T, D)
         query = self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)
@@ -176,11 +177,8 @@ class Eagle3Attention(nn.Module):
             layer = cache.layers[0]
             key, value = torch.cat([layer.keys, key], dim=-2), torch.cat([layer.values, value], dim=-2)
 
-        # Grouped-query attention: each key/value head serves `num_key_value_groups` query heads.
-        key = key.repeat_interleave(self.num_key_value_groups, dim=1)
-        value = value.repeat_interleave(self.num_key_value_groups, dim=1)
         # Shape: (B, heads, T, D)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=self.scaling)
+        out = attend(query, key, value, attention_mask, self.scaling)
         # Shape: (B, T, heads * D) -> (B, T, H)
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
 
@@ -201,7 +199,7 @@ class Eagle3DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         input_embeds: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | BlockMask,
         cache: Cache | None,
         update_cache: bool,
     ) -> torch.Tensor:
@@ -267,7 +265,7 @@ class Eagle3DraftModel(SdpaDrafter, DraftVocabHead, LlamaPreTrainedModel):
         hidden: torch.Tensor,
         input_embeds: torch.Tensor,
         position_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | MaskRule | None = None,
         past_key_values: Cache | None = None,
         use_cache: bool = False,
     ) -> torch.Tensor:
@@ -280,7 +278,9 @@ class Eagle3DraftModel(SdpaDrafter, DraftVocabHead, LlamaPreTrainedModel):
         - ``position_ids`` (B, T): RoPE positions of the new positions.
         - ``attention_mask``: ``None`` for causal attention over the ``P`` cached positions and the new ones in
           order, or an additive float mask (B or 1, 1, T, P + T), ``0`` where a new position may attend and
-          ``finfo.min`` elsewhere (a tree mask, or packed samples). A boolean mask is refused.
+          ``finfo.min`` elsewhere (a tree mask, or packed samples), or a
+          :class:`~trainer.drafters.attention.MaskRule` built for ``self.attention`` (training). A boolean mask is
+          refused.
         - ``past_key_values``: a cache from :meth:`make_cache`; its keys come first in the key sequence.
         - ``use_cache``: append the new keys/values to ``past_key_values`` (else it is only read). Drop drafted
           positions afterwards with ``past_key_values.crop(-n)`` (transformers 5.x takes the count to remove).
@@ -298,11 +298,18 @@ class Eagle3DraftModel(SdpaDrafter, DraftVocabHead, LlamaPreTrainedModel):
         if attention_mask is None:
             allowed = torch.ones(q_len, past + q_len, dtype=torch.bool, device=hidden.device).tril(past)
             attention_mask = additive_mask(allowed, dtype)[None, None]
+        elif isinstance(attention_mask, MaskRule):
+            if (attention_mask.q_len, attention_mask.kv_len) != (q_len, past + q_len):
+                raise ValueError(
+                    f"attention_mask covers {(attention_mask.q_len, attention_mask.kv_len)} (queries, keys); "
+                    f"expected ({q_len}, {past + q_len}) for {q_len} new and {past} cached positions"
+                )
+            attention_mask = attention_mask.build(self.attention, dtype)
         elif attention_mask.dtype == torch.bool:
             raise ValueError("attention_mask must be additive float (0 / finfo.min), not boolean")
         else:
             attention_mask = additive_mask(attention_mask, dtype)
-        if attention_mask.shape[-2:] != (q_len, past + q_len):
+        if not isinstance(attention_mask, BlockMask) and attention_mask.shape[-2:] != (q_len, past + q_len):
             raise ValueError(
                 f"attention_mask covers {tuple(attention_mask.shape[-2:])} (queries, keys); expected "
                 f"({q_len}, {past + q_len}) for {q_len} new and {past} cached positions"

@@ -76,6 +76,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from trainer.drafters.attention import MaskRule, context_rule, launch_rule
 from trainer.drafters.common import (
     DrafterDecoderLayer,
     DraftVocabHead,
@@ -161,35 +162,14 @@ def build_config(
 
 # ---- attention patterns (pure functions; True = may attend) ---------------------------------------------------
 def context_mask(doc_ids: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Shape: doc_ids (B, T) → bool (B, T·K, T·K) over the blocks of T context positions, slot-major per position.
-
-    Query slot ``(i, k)`` sees key slot ``(j, m)`` iff both positions are in the same packed sample and
-    ``j < i``, or ``j == i`` and ``m <= k``. Padding (``doc_ids == 0``) sees only its own slots ``<= k``.
-    """
-    t = doc_ids.shape[1]
-    device = doc_ids.device
-    position = torch.arange(t, device=device).repeat_interleave(block_size)
-    slot = torch.arange(block_size, device=device).repeat(t)
-    doc = doc_ids.repeat_interleave(block_size, dim=1)
-    same_doc = (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] > 0)
-    earlier = position[None, :] < position[:, None]
-    own_causal = (position[None, :] == position[:, None]) & (slot[None, :] <= slot[:, None])
-    return (same_doc & earlier) | own_causal
+    """Shape: doc_ids (B, T) → bool (B, T·K, T·K): :func:`trainer.drafters.attention.context_rule` dense."""
+    return context_rule(doc_ids, block_size).dense()[:, 0]
 
 
 def launch_mask(visible: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Shape: visible (B, N, P) bool → bool (B, 1, N·K, P + N·K): N blocks launched in one call.
-
-    Block ``n`` sees the cached keys ``visible[b, n]`` (its context and ancestors) and its own slots
-    causally (slot ``k`` sees slots ``<= k``); blocks of one call never see each other.
-    """
-    b, n, p = visible.shape
-    device = visible.device
-    block = torch.arange(n, device=device).repeat_interleave(block_size)
-    slot = torch.arange(block_size, device=device).repeat(n)
-    own = (block[:, None] == block[None, :]) & (slot[None, :] <= slot[:, None])
-    cached = visible[:, :, None, :].expand(b, n, block_size, p).reshape(b, n * block_size, p)
-    return torch.cat([cached, own.expand(b, -1, -1)], dim=-1)[:, None]
+    """Shape: visible (B, N, P) bool → bool (B, 1, N·K, P + N·K): :func:`trainer.drafters.attention.launch_rule`
+    dense (N blocks launched in one call, each seeing its visible cached keys and its own slots causally)."""
+    return launch_rule(visible, block_size).dense()
 
 
 # ---- rank classes ------------------------------------------------------------------------------------------------
@@ -308,7 +288,7 @@ class SpecBlockDraftModel(SdpaDrafter, DraftVocabHead, Qwen3PreTrainedModel):
         condition: torch.Tensor,
         token_embedding: torch.Tensor,
         position_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | MaskRule | None = None,
         past_key_values: Cache | None = None,
     ) -> torch.Tensor:
         """Pre-norm hidden states of every slot of N blocks. Shape: (B, N, K, H).
@@ -318,9 +298,10 @@ class SpecBlockDraftModel(SdpaDrafter, DraftVocabHead, Qwen3PreTrainedModel):
         - ``token_embedding`` (B, N, H): the target's input embedding of each block's token ``x_s``.
         - ``position_ids`` (B, N): the position ``s`` of each block's token; slot ``k`` sits at ``s + 1 + k``.
         - ``attention_mask``: (B, 1, N·K, P + N·K) over the P cached and the N·K new keys, boolean
-          (``True`` = may attend) or additive float (``0`` / ``finfo.min``); see :func:`context_mask` and
-          :func:`launch_mask`. ``None``: the N blocks are consecutive context positions of one sequence that see
-          every cached key (feeding a context in pieces).
+          (``True`` = may attend) or additive float (``0`` / ``finfo.min``), or a
+          :class:`~trainer.drafters.attention.MaskRule` built for ``self.attention``; see :func:`context_mask` and
+          :func:`launch_mask` (training: their rules). ``None``: the N blocks are consecutive context positions
+          of one sequence that see every cached key (feeding a context in pieces).
         - ``past_key_values``: a ``DynamicCache(config=model.config)`` that receives the new keys of every layer
           and supplies the cached ones; ``crop(-n)`` removes the last n keys.
         """
@@ -336,13 +317,21 @@ class SpecBlockDraftModel(SdpaDrafter, DraftVocabHead, Qwen3PreTrainedModel):
             own = context_mask(torch.ones(1, n, dtype=torch.long, device=condition.device), k)
             seen = torch.ones(1, n * k, cached, dtype=torch.bool, device=condition.device)
             attention_mask = torch.cat([seen, own], dim=-1)[:, None]
-        if attention_mask.shape[-2:] != (n * k, cached + n * k):
+        covers = (
+            (attention_mask.q_len, attention_mask.kv_len)
+            if isinstance(attention_mask, MaskRule)
+            else tuple(attention_mask.shape[-2:])
+        )
+        if covers != (n * k, cached + n * k):
             raise ValueError(
-                f"attention_mask covers {tuple(attention_mask.shape[-2:])} (queries, keys); expected "
+                f"attention_mask covers {covers} (queries, keys); expected "
                 f"({n * k}, {cached + n * k}) for {n} blocks of {k} slots after {cached} cached keys"
             )
         dtype = self.fuse.weight.dtype
-        attention_mask = additive_mask(attention_mask, dtype)
+        if isinstance(attention_mask, MaskRule):
+            attention_mask = attention_mask.build(self.attention, dtype)
+        else:
+            attention_mask = additive_mask(attention_mask, dtype)
 
         # fuse(concat[c, t, q]) is the sum of three H -> H maps; the condition and the token are per block and
         # the slot query per slot, so they are mapped on N and K rows and broadcast, not on N·K rows of 3H.

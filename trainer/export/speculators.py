@@ -158,6 +158,11 @@ def load(path: Path) -> DFlashDraftModel | Eagle3DraftModel:
     weights = load_file(str(Path(path) / "model.safetensors"))
     kind = config.get("speculators_model_type")
     if kind == "dflash":
+        if config.get("sliding_window_non_causal"):
+            raise UserError(
+                f"{path}: sliding_window_non_causal is set: its sliding layers attend bidirectionally inside a "
+                "block, which DFlashDraftModel does not compute (its sliding layers are causal in the block)"
+            )
         layer.update(
             architectures=["DFlashDraftModel"],
             block_size=config["block_size"],

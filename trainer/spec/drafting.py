@@ -110,7 +110,7 @@ class BlockDraftSession(ContextSession):
         super().__init__(drafter, target, drafter.target_layer_ids)
         self.max_depth = drafter.block_size - 1
         # The block's keys are appended and cropped every step: a growing cache copies neither the context.
-        self.cache = growing_cache(drafter.config)
+        self.cache = growing_cache(drafter.cache_config)
         # A block drafted ahead in a batch (:func:`draft_blocks`): (root, depth, pre-norm, normed), taken by the
         # next ``_block`` call.
         self.drafted: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
@@ -187,7 +187,7 @@ def draft_blocks(sessions: list[BlockDraftSession], roots: list[int], depths: li
         visible[b, : cached[b]] = True
         visible[b, p : p + end - start] = True
         visible[b, p + c : p + c + depth + 1] = True
-    batch_cache = DynamicCache(config=drafter.config)
+    batch_cache = DynamicCache(config=drafter.cache_config)
     if p:
         for layer in range(len(batch_cache.layers)):
             own = [s.cache.layers[layer] for s in sessions]

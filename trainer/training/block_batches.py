@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.drafters.attention import MaskRule, block_rule
 from trainer.masks import additive_mask
 
 
@@ -109,23 +110,14 @@ def make_blocks(
 
 
 def block_attention_mask(doc_ids: torch.Tensor, blocks: Blocks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Shape: doc_ids (B, T), N blocks of K → additive mask (B, 1, N·K, T + N·K).
+    """Shape: doc_ids (B, T), N blocks of K → additive mask (B, 1, N·K, T + N·K): :func:`block_mask_rule` dense."""
+    return additive_mask(block_mask_rule(doc_ids, blocks).dense(), dtype)
 
-    Query slot of block n sees context key j iff ``j < a_n`` and j is in the anchor's sample, and every slot
-    of block n (bidirectionally). Invalid (padding) blocks see only their own block, so no row is empty.
-    """
-    b, n, k = blocks.tokens.shape
-    t = doc_ids.shape[1]
-    a = blocks.anchors.clamp(min=0)
-    anchor_doc = doc_ids.gather(1, a)
-    j = torch.arange(t, device=doc_ids.device)
-    # Shape: (B, N, T)
-    ctx = (j < a[..., None]) & (doc_ids[:, None, :] == anchor_doc[..., None]) & blocks.valid[..., None]
-    ctx = ctx[:, :, None, :].expand(b, n, k, t).reshape(b, n * k, t)
-    block_id = torch.arange(n, device=doc_ids.device).repeat_interleave(k)
-    own = (block_id[:, None] == block_id[None, :]).expand(b, n * k, n * k)
-    allowed = torch.cat([ctx, own], dim=-1)
-    return additive_mask(allowed, dtype)[:, None]
+
+def block_mask_rule(doc_ids: torch.Tensor, blocks: Blocks) -> MaskRule:
+    """The attention pattern of ``blocks`` over the row's context and themselves
+    (:func:`trainer.drafters.attention.block_rule`)."""
+    return block_rule(doc_ids, blocks.anchors, blocks.valid, blocks.tokens.shape[-1])
 
 
 def slot_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:

@@ -19,7 +19,7 @@ from trainer.target import Target
 from trainer.training.block_batches import (
     Blocks,
     anchor_generator,
-    block_attention_mask,
+    block_mask_rule,
     make_blocks,
     sample_anchors,
 )
@@ -65,12 +65,11 @@ def block_hidden(
     dtype = dflash.fc.weight.dtype
     noise = target.embed_tokens(blocks.tokens.flatten(1)).to(dtype)
     positions = torch.cat([batch["position_ids"], blocks.positions.flatten(1)], dim=1)
-    mask = block_attention_mask(batch["doc_ids"], blocks, dtype=dtype)
     hidden = dflash(
         noise_embedding=noise,
         target_hidden=batch["features"].to(dtype),
         position_ids=positions,
-        attention_mask=mask,
+        attention_mask=block_mask_rule(batch["doc_ids"], blocks),
         return_prenorm=True,
     )
     return hidden.view(b, n, k, -1)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.data.features import teacher_at
-from trainer.data.pack import packed_attention_mask
+from trainer.drafters.attention import MaskRule, packed_causal_rule
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.losses import draft_teacher, soft_cross_entropy_and_kl
 from trainer.masks import additive_mask
@@ -61,15 +61,15 @@ def ttt_step(
 
 
 def ttt_attention_mask(doc_ids: torch.Tensor, step: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Shape: doc_ids (B, T) → additive mask (B, 1, T, (step + 1)·T) over the keys of steps 0..step in order.
+    """Shape: doc_ids (B, T) → additive mask (B, 1, T, (step + 1)·T) over the keys of steps 0..step in order:
+    :func:`ttt_mask_rule` dense."""
+    return additive_mask(ttt_mask_rule(doc_ids, step).dense(), dtype)
 
-    Step 0 keys: causal within the query's sample. Keys of steps 1..step: only the query's own origin position.
-    """
-    t = doc_ids.shape[1]
-    # Shape: (B, 1, T, T)
-    committed = packed_attention_mask(doc_ids, dtype=dtype)
-    own = additive_mask(torch.eye(t, dtype=torch.bool, device=doc_ids.device), dtype)
-    return torch.cat([committed, *[own.expand_as(committed)] * step], dim=-1)
+
+def ttt_mask_rule(doc_ids: torch.Tensor, step: int) -> MaskRule:
+    """The attention of unrolled step ``step`` over the keys of steps 0..step: causal within the query's sample
+    for step 0, only the query's own origin position for steps 1..step."""
+    return packed_causal_rule(doc_ids, step + 1)
 
 
 def eagle3_unroll(
@@ -83,7 +83,7 @@ def eagle3_unroll(
     for i in range(ttt_steps):
         step = ttt_step(batch["input_ids"], batch["loss_mask"], batch["position_ids"], batch["doc_ids"], i)
         embeds = target.embed_tokens(step.tokens).to(dtype)
-        mask = ttt_attention_mask(batch["doc_ids"], i, dtype)
+        mask = ttt_mask_rule(batch["doc_ids"], i)
         hidden = drafter(hidden, embeds, step.positions, mask, past_key_values=cache, use_cache=True)
         outputs.append(hidden)
         steps.append(step)

@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 
 from trainer.data.pack import loss_token_counts
-from trainer.drafters.common import DrafterDecoderLayer
+from trainer.drafters.attention import AttentionPath
+from trainer.drafters.common import DrafterDecoderLayer, SdpaDrafter
 from trainer.drafters.eagle3 import Eagle3DecoderLayer
 from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
@@ -56,6 +57,9 @@ class FrozenTargetTraining(L.LightningModule):
         warmup_steps: linear warm-up steps.
         min_lr_ratio: cosine floor as a fraction of ``lr``.
         export_dir: HF directory written at the end of fit; default ``<run>/hf``.
+        attention: how the training masks run (:mod:`trainer.drafters.attention`): ``flex`` block masks and
+            flex attention (compiled; needs CUDA to train), ``dense`` float masks and SDPA, or ``auto`` (flex on
+            CUDA, dense elsewhere).
     """
 
     # The drafter family as messages name it ("DFlash", "EAGLE-3", ...).
@@ -71,6 +75,7 @@ class FrozenTargetTraining(L.LightningModule):
         warmup_steps: int = 50,
         min_lr_ratio: float = 0.1,
         export_dir: str | None = None,
+        attention: AttentionPath = "auto",
     ) -> None:
         super().__init__()
         # Checkpoints and TensorBoard record every family's arguments, these and the subclass's alike.
@@ -83,6 +88,7 @@ class FrozenTargetTraining(L.LightningModule):
         self.warmup_steps = warmup_steps
         self.min_lr_ratio = min_lr_ratio
         self.export_dir = export_dir
+        self.attention = attention
         self.target: Target | None = None
         self.drafter: torch.nn.Module | None = None
         self.val_sums = MetricSums()
@@ -100,6 +106,9 @@ class FrozenTargetTraining(L.LightningModule):
             return
         model = load_causal_lm(str(project_path(self.target_path)), self.target_dtype)
         self.drafter = self.build_drafter(model)
+        for module in self.drafter.modules():
+            if isinstance(module, SdpaDrafter):
+                module.attention = self.attention
         self.check_drafter_fits(model.config)
         self.target = Target(model, self.layer_ids)
         if self.device_mesh is not None:

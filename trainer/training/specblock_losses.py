@@ -16,7 +16,8 @@ import torch
 from transformers import DynamicCache
 
 from trainer.data.features import teacher_at
-from trainer.drafters.specblock import SpecBlockDraftModel, context_mask, launch_mask, rank_class, token_rank
+from trainer.drafters.attention import context_rule, launch_rule
+from trainer.drafters.specblock import SpecBlockDraftModel, rank_class, token_rank
 from trainer.losses import draft_teacher, forward_kl_topk, soft_cross_entropy_and_kl, tvd_topk
 from trainer.target import Target
 from trainer.training.block_batches import anchor_generator, sample_anchors
@@ -245,7 +246,7 @@ def context_blocks(
         drafter.project_features(batch["features"].to(dtype)),
         target.embed_tokens(ids.gather(1, token_rows)).to(dtype),
         batch["position_ids"] + drafter.token_shift,
-        context_mask(batch["doc_ids"], drafter.block_size)[:, None],
+        context_rule(batch["doc_ids"], drafter.block_size),
         cache,
     )
 
@@ -294,7 +295,7 @@ def launch_blocks(
                 condition[:, c0:c1],
                 token_embedding[:, c0:c1],
                 position_ids[:, c0:c1],
-                launch_mask(visible[:, c0:c1][..., columns], k),
+                launch_rule(visible[:, c0:c1][..., columns], k),
                 chunk_cache,
             )
         )
