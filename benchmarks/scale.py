@@ -48,6 +48,7 @@ H200, most of it building, saving and loading the 8 GB target)::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -63,6 +64,7 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
 from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoConfig, PretrainedConfig
 
 # The real shapes, as their hub configs give them (text fields that change the compute or the checkpoint).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -153,8 +155,15 @@ def shape_of(recipe: str) -> str:
     raise ValueError(f"recipe '{recipe}' names none of the shapes {', '.join(SHAPES)} (recipes/<drafter>_<shape>)")
 
 
-def target_config(shape: str, shrink: bool) -> dict[str, Any]:
-    return {**SHAPES[shape], **(SHRINK if shrink else {}), "architectures": None}
+def target_fields(shape: str, shrink: bool) -> dict[str, Any]:
+    """The config fields of ``shape`` (shrunk with ``shrink``)."""
+    return {**SHAPES[shape], **(SHRINK if shrink else {})}
+
+
+def model_config(shape: str, shrink: bool) -> PretrainedConfig:
+    """The HF config of ``shape`` (shrunk with ``shrink``)."""
+    fields = target_fields(shape, shrink)
+    return AutoConfig.for_model(fields["model_type"], **{k: v for k, v in fields.items() if k != "model_type"})
 
 
 def _matches(directory: Path, fields: dict[str, Any]) -> bool:
@@ -163,47 +172,43 @@ def _matches(directory: Path, fields: dict[str, Any]) -> bool:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return all(config.get(k) == v for k, v in fields.items() if v is not None) and any(
-        directory.glob("*.safetensors")
-    )
+    return all(config.get(k) == v for k, v in fields.items()) and any(directory.glob("*.safetensors"))
 
 
 def build_target(shape: str, out: Path, device: torch.device, shrink: bool) -> Path:
     """A randomly initialised causal LM of ``shape`` saved at ``out`` with the tiny tokenizer (reused if there)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from trainer.io import write_dir_atomic
-    from trainer.paths import project_path
 
-    fields = target_config(shape, shrink)
-    if _matches(out, fields):
+    if _matches(out, target_fields(shape, shrink)):
         print(f"target {shape}: reusing {out}", flush=True)
         return out
     start = time.perf_counter()
-    kwargs = {k: v for k, v in fields.items() if k not in ("model_type", "architectures")}
-    config = AutoConfig.for_model(fields["model_type"], **kwargs)
+    config = model_config(shape, shrink)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    tokenizer = project_path("checkpoints/target_tiny")
-
-    def save(tmp: Path) -> None:
-        model.save_pretrained(tmp)
-        for name in TOKENIZER_FILES:
-            shutil.copy(tokenizer / name, tmp / name)
-
-    write_dir_atomic(out, save)
     params = sum(p.numel() for p in model.parameters())
+    write_dir_atomic(out, functools.partial(save_with_tokenizer, model))
     del model
     empty_cache(device)
     print(f"target {shape}: {params / 1e9:.2f}B parameters -> {out} ({time.perf_counter() - start:.0f} s)", flush=True)
     return out
 
 
+def save_with_tokenizer(model: torch.nn.Module, out: Path) -> None:
+    """``model`` as an HF directory at ``out``, with the shipped tiny target's tokenizer beside it."""
+    from trainer.paths import project_path
+
+    model.save_pretrained(out)
+    tokenizer = project_path("checkpoints/target_tiny")
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer / name, out / name)
+
+
 def build_backbone(shape: str, target: Path, out: Path, device: torch.device, layers: int) -> Path:
     """A random DFlash drafter of ``layers`` layers, block 16, for the target at ``target`` (reused if there)."""
-    from transformers import AutoConfig
-
     from trainer.drafters.dflash import DFlashDraftModel, build_config
     from trainer.io import write_dir_atomic
 
@@ -291,8 +296,8 @@ class StepClock(Callback):
             head.register_forward_pre_hook(lambda *_: self._enter("LM head")),
             head.register_forward_hook(lambda *_: self._leave("LM head")),
         ]
-        trainable = sum(p.numel() for p in pl_module.trainable_parameters())
-        self.trainable = trainable * (trainer.world_size if _sharded(pl_module) else 1)
+        # An FSDP2 shard (DTensor) counts its whole parameter's elements.
+        self.trainable = sum(p.numel() for p in pl_module.trainable_parameters())
 
     def _enter(self, span: str) -> None:
         # The target's own forward calls its LM head: only calls on the drafter's states count as "LM head".
@@ -407,13 +412,6 @@ class StepClock(Callback):
         return out
 
 
-def _sharded(pl_module) -> bool:
-    """Whether the module's parameters are FSDP2 shards (numel counts one rank's share)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in pl_module.parameters())
-
-
 def format_summary(label: str, s: dict[str, Any]) -> str:
     """The summary of one recipe's run as printed lines."""
     if not s["s_per_step"]:
@@ -437,7 +435,8 @@ def format_summary(label: str, s: dict[str, Any]) -> str:
     if s["mfu"] is not None:
         lines.append(f"  MFU {s['mfu']:.1%} of {s['peak_flops'] / 1e12:.0f} TFLOP/s (dense bf16 peak)")
     if "peak_allocated_gb" in s:
-        lines.append(f"  peak memory {s['peak_allocated_gb']:.1f} GB allocated, {s['peak_reserved_gb']:.1f} GB reserved")
+        allocated, reserved = s["peak_allocated_gb"], s["peak_reserved_gb"]
+        lines.append(f"  peak memory {allocated:.1f} GB allocated, {reserved:.1f} GB reserved")
     else:
         lines.append(f"  peak memory {s['peak_rss_gb']:.2f} GB resident (process maximum)")
     return "\n".join(lines)
