@@ -39,8 +39,8 @@ width 64, the real vocabulary) and runs on the CPU in seconds::
 
     OMP_NUM_THREADS=1 python benchmarks/scale.py --shrink --recipes treeflash_qwen3_4b,eagle3_qwen3_8b
 
-On a GPU (default: the 4B recipes of DFlash and TreeFlash, 40 steps, rows of 3072 tokens; about 5 minutes on one
-H200, most of it building, saving and loading the 8 GB target)::
+On a GPU (default: the 4B recipes of DFlash and TreeFlash, 40 steps, their rows of 3072 tokens; sized for a few
+minutes, most of them building, saving and loading the 8 GB target, but not yet timed on a GPU)::
 
     python benchmarks/scale.py [--recipes treeflash_qwen3_4b,dflash_qwen3_4b] [--steps 40] [--work runs/scale]
 """
@@ -85,23 +85,6 @@ SHAPES: dict[str, dict[str, Any]] = {
         "bos_token_id": 151643,
         "eos_token_id": 151645,
     },
-    "qwen3_8b": {
-        "model_type": "qwen3",
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 151936,
-        "max_position_embeddings": 40960,
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-    },
     "llama31_8b": {
         "model_type": "llama",
         "hidden_size": 4096,
@@ -127,6 +110,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         "bos_token_id": 128000,
         "eos_token_id": 128001,
     },
+}
+# Qwen3-8B: Qwen3-4B's depth, heads, vocabulary and RoPE; wider, with an untied LM head.
+SHAPES["qwen3_8b"] = {
+    **SHAPES["qwen3_4b"],
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "tie_word_embeddings": False,
 }
 # The MASK token of a DFlash backbone: Qwen3's DFlash drafters use id 151669 (as recipes/dflash_qwen3_4b.yaml);
 # for Llama 3.1 the first reserved special token.
@@ -502,6 +492,9 @@ def fit_command(recipe: str, args: argparse.Namespace, work: Path, target: Path,
 
 def run_recipe(recipe: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Build what ``recipe`` needs, run its fit in a subprocess, and return its summary (raises on failure)."""
+    from trainer.recipes import resolve_recipe
+
+    resolve_recipe(recipe)  # an unknown recipe fails before any model is built
     shape = shape_of(recipe)
     suffix = "_shrink" if args.shrink else ""
     target = build_target(shape, args.work / "targets" / f"{shape}{suffix}", device, args.shrink)
@@ -554,7 +547,7 @@ def main() -> None:
     p.add_argument("--recipes", default="treeflash_qwen3_4b,dflash_qwen3_4b", help="comma-separated recipe names")
     p.add_argument("--steps", type=int, default=40, help="training steps per recipe, warm-up included")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
-    p.add_argument("--max-length", type=int, default=3072, help="tokens per row (0: the recipe's)")
+    p.add_argument("--max-length", type=int, default=0, help="tokens per row (default: the recipe's)")
     p.add_argument("--data", default="stdlib:train", help="text data of the run (a path or stdlib:SPLIT)")
     p.add_argument("--val-batches", type=int, default=2, help="batches of the validation pass at the last step")
     p.add_argument("--backbone-layers", type=int, default=5, help="layers of TreeFlash's random DFlash backbone")
