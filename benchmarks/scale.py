@@ -512,7 +512,9 @@ def run_recipe(recipe: str, args: argparse.Namespace, device: torch.device) -> d
     start = time.perf_counter()
     rc = subprocess.run(command, env=env, timeout=args.timeout).returncode
     if rc != 0:
-        raise RuntimeError(f"trainer fit exited with status {rc}")
+        # The FLOP counter (a dispatch mode over one warm-up step) is the one thing this script adds to the step.
+        hint = "; if its trace runs through flop_counter, run again with --no-flops" if args.flops else ""
+        raise RuntimeError(f"trainer fit exited with status {rc}{hint}")
     if not report.is_file():
         raise RuntimeError(f"trainer fit ended without a report at {report}")
     summary = json.loads(report.read_text())
@@ -570,6 +572,7 @@ def main() -> None:
     args.work = args.work.resolve()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.shrink else "cpu")
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}", flush=True)
+    start = time.perf_counter()
     results: dict[str, dict[str, Any] | str] = {}
     for recipe in [r.strip() for r in args.recipes.split(",") if r.strip()]:
         try:
@@ -579,6 +582,7 @@ def main() -> None:
             results[recipe] = f"{type(e).__name__}: {e}"
         empty_cache(device)
     print_table(results)
+    print(f"{time.perf_counter() - start:.0f} s in all (building, saving and loading included)")
     sys.exit(1 if any(isinstance(s, str) for s in results.values()) else 0)
 
 
