@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -211,7 +212,12 @@ def main() -> None:
     p.add_argument("--step-cost", type=float, default=None, help="seconds per step instead of calibrating")
     reuse = "results.json of runs of other policies (`--policies none` runs nothing): shown too, their step cost used"
     p.add_argument("--reuse", type=Path, nargs="*", default=[], help=reuse)
+    p.add_argument("--smoke", action="store_true", help="seconds, tiny sizes, no updates: checks that the script runs")
     args = p.parse_args()
+    if args.smoke:
+        smoke_out = tempfile.TemporaryDirectory()  # removed when main returns
+        args.out, args.before, args.after, args.heldout = smoke_out.name, 2, 2, 0
+        args.prompt_tokens, args.new_tokens, args.budget, args.policies, args.step_cost = 16, 4, 4, "never,bandit", 0.01
     torch.manual_seed(0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,10 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: checks that the script runs")
     args = p.parse_args()
+    if args.smoke:
+        args.num_prompts, args.max_new_tokens, args.rounds = 1, 8, 1
 
     from dflash import model as reference  # the reference loop; README: pip install --no-deps dflash==0.1.0
 

@@ -72,7 +72,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modules", type=int, default=40, help="held-out modules to cache")
+    parser.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: checks that the script runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.repeats, args.modules = 1, 2
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src"

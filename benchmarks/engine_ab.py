@@ -92,7 +92,11 @@ def main() -> None:
     p.add_argument("--per-module", type=int, default=40, help="prompts per held-out stdlib module (at most)")
     p.add_argument("--prompt-tokens", type=int, default=96, help="tokens of every prompt (the last ones)")
     p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True, help="a second plain engine")
+    p.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: checks that the script runs")
     args = p.parse_args()
+    if args.smoke:
+        args.seconds, args.warmup, args.block, args.configs = 0.4, 0.1, 0.2, "none:0,ddtree:8,auto:0"
+        args.max_tokens, args.per_module, args.prompt_tokens, args.control = 8, 2, 32, False
     configs, names = configurations(args.configs, args.control)
     torch.set_grad_enabled(False)
     target = load_causal_lm(str(project_path(args.target))).eval()

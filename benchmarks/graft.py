@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -111,8 +112,14 @@ def main() -> None:
     p.add_argument("--adjacency", type=Path, help="warm M from this publish directory instead of a first pass")
     p.add_argument("--variants", default="eagle,dflash", help="drafter variants to run: eagle, dflash")
     p.add_argument("--sweep", nargs="+", metavar="KIND:T0,T1,T5", help="confidence:thresholds settings to compare")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, help="required (--smoke: a temporary directory)")
+    p.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: checks that the script runs")
     args = p.parse_args()
+    if args.smoke:
+        smoke_out = tempfile.TemporaryDirectory()  # removed when main returns
+        args.out, args.limit, args.first_pass, args.max_new_tokens, args.budget = Path(smoke_out.name), 1, 1, 8, 8
+    if args.out is None:
+        p.error("the following arguments are required: --out")
     options = TreeOptions.parse(args.tree_opt)
     target = load_causal_lm(args.target)
     tokenizer = AutoTokenizer.from_pretrained(args.target)

@@ -244,7 +244,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--daemon-copies", type=int, default=6, help="copies of the measured lines the daemon reads")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="CPU time of this process, or wall time")
+    p.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: checks that the script runs")
     args = p.parse_args()
+    if args.smoke:
+        args.vocabs, args.batch_records, args.batches, args.warm_batches = "8192", 64, 1, 1
+        args.repeats, args.daemon_copies = 1, 2
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(1)

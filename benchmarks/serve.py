@@ -29,6 +29,7 @@ import re
 import statistics
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from transformers import AutoTokenizer
@@ -36,8 +37,6 @@ from transformers import AutoTokenizer
 from trainer.paths import project_path
 from trainer.serve.process import ServerProcess
 from trainer.tiny.prompts import build_prompts
-
-CONCURRENCY = (1, 4, 8)
 
 
 def committed(url: str) -> float:
@@ -101,6 +100,20 @@ def load(url: str, prompts: list[str], concurrency: int, ramp: float, seconds: f
     return rate
 
 
+def start_servers(arguments: dict[tuple[int, int], list[str]]) -> dict[tuple[int, int], ServerProcess]:
+    """A server per key, started side by side (each start is mostly imports and loading); if one fails to start,
+    the others are stopped."""
+    with ThreadPoolExecutor(len(arguments)) as pool:
+        futures = {key: pool.submit(ServerProcess, args) for key, args in arguments.items()}
+    started = {key: f.result() for key, f in futures.items() if f.exception() is None}
+    failed = [f.exception() for f in futures.values() if f.exception() is not None]
+    if failed:
+        for server in started.values():
+            server.stop()
+        raise failed[0]
+    return started
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=3.0, help="measured window of a turn")
@@ -111,21 +124,25 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--per-module", type=int, default=40, help="prompts per held-out stdlib module (at most)")
+    p.add_argument("--concurrency", default="1,4,8", help="comma-separated numbers of concurrent clients")
     control = "a second set of plain servers taking turns like the others: its ratio is the benchmark's own noise"
     p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True, help=control)
+    p.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: checks that the script runs")
     args = p.parse_args()
+    if args.smoke:
+        args.seconds, args.ramp, args.rounds, args.replicas, args.configs = 0.3, 0.1, 1, 1, "none:0,recycling:8"
+        args.max_tokens, args.per_module, args.control, args.concurrency = 8, 2, False, "1,2"
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
     configs, names = configurations(args.configs, args.control)
     prompts = request_prompts(args.per_module)
     # (configuration index, replica) -> server; the control is a second set of the first configuration.
-    servers = {}
-    for r in range(args.replicas):
-        for i, (tree, budget) in enumerate(configs):
-            servers[i, r] = ServerProcess(["--tree", tree, "--budget", str(budget)])
+    servers = start_servers({(i, r): ["--tree", tree, "--budget", str(budget)]
+                             for r in range(args.replicas) for i, (tree, budget) in enumerate(configs)})  # fmt: skip
     # (concurrency, configuration index, round) -> tokens/s of each of its replicas' turns.
     rates: dict[tuple[int, int, int], list[float]] = {}
     try:
         turn = 0
-        for concurrency in CONCURRENCY:
+        for concurrency in concurrencies:
             turn += 1
             for server in servers.values():
                 load(server.url, prompts, concurrency, args.ramp, args.seconds, args.temperature, args.max_tokens,
@@ -148,7 +165,7 @@ def main() -> None:
     print("in brackets the lowest and highest ratio of one round's turns")
     every = range(args.rounds)
     print(f"{'concurrency':>11} {'plain tok/s':>11} " + " ".join(f"{n:>24}" for n in names[1:]))
-    for concurrency in CONCURRENCY:
+    for concurrency in concurrencies:
         # (configuration, round) -> mean tokens/s of its turns in that round.
         rounds = {(c, r): sum(rates[concurrency, c, r]) / args.replicas for c in range(len(configs)) for r in every}
         plain = sum(rounds[0, r] for r in every) / args.rounds

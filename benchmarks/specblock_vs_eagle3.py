@@ -134,7 +134,11 @@ def main() -> None:
     p.add_argument("--pair", action="append", default=["90=60"], help="BUDGET=FIRST_ROW_BUDGET, repeatable")
     p.add_argument("--out", help="write this shard's sums as JSON")
     p.add_argument("--merge", nargs="+", help="print the table of these shard JSON files")
+    p.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: checks that the script runs")
     args = p.parse_args()
+    if args.smoke:
+        args.row = args.row or ["EAGLE-3|checkpoints/eagle3_tiny|8", "SpecBlock|checkpoints/specblock_tiny|8"]
+        args.limit, args.max_new_tokens = 1, 8
     pairs = {int(a): int(b) for a, b in (item.split("=") for item in args.pair)}
     if args.merge:
         print(table([json.loads(Path(f).read_text()) for f in args.merge], pairs))

@@ -42,7 +42,10 @@ def main() -> None:
     p.add_argument("--prompts", type=Path, default=Path("data/prompts/stdlib_heldout.jsonl"))
     p.add_argument("--budgets", default="16,64")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: checks that the script runs")
     args = p.parse_args()
+    if args.smoke:
+        args.budgets, args.repeats = "16", 2
 
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)

@@ -199,7 +199,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--records", type=int, default=4000)
     p.add_argument("--max-deferred", type=int, default=8, help="LogWriter.max_deferred (0: reduce on the hook)")
+    p.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: checks that the script runs")
     args = p.parse_args()
+    if args.smoke:
+        args.prompts_n, args.budgets, args.max_new_tokens, args.repeats, args.records = 2, "8", 8, 1, 50
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     budgets = [int(b) for b in args.budgets.split(",")]
 

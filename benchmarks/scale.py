@@ -1,0 +1,590 @@
+"""Training at the real shapes: a recipe's ``trainer fit`` for a few steps on random weights, timed and counted.
+
+For each recipe (``recipes/*.yaml`` of a real target: ``treeflash_qwen3_4b``, ``dflash_qwen3_4b``,
+``specblock_qwen3_8b``, ``eagle3_llama31_8b``, ...) the script builds a randomly initialised target of the recipe's
+shape (Qwen3-4B, Qwen3-8B or Llama-3.1-8B, configs written below, no hub) with the shipped tiny tokenizer (its ids
+are a subset of every vocabulary here), and for TreeFlash a random DFlash backbone of ``--backbone-layers`` layers
+from :func:`trainer.drafters.dflash.build_config`; the other families' drafters are built by their recipes as in
+any new run. Both are saved as HF directories under ``--work`` (built on the GPU in bfloat16; reused when present).
+Then ``trainer fit --recipe R`` runs in a subprocess on the first device it finds, with the command line the issue
+measured (``--model.target DIR --trainer.devices 1 --data.spec.paths '[stdlib:train]' --data.spec.format text``)
+plus ``--trainer.max_steps``, and the :class:`StepClock` callback prints, as it goes:
+
+- seconds per step (end of one step to the end of the next, so data loading counts) and tokens/s (the batch's
+  tokens, padding included, over all devices), medians over the steps after ``--warmup``;
+- the phases of a step, measured with CUDA events (CPU: wall clock): target forward, the target's LM head on the
+  drafter's states, drafter forward and loss (the rest of the forward), backward, optimizer (gradient clipping,
+  AdamW, zero_grad, logging), and the time between steps (data loading); the largest is named;
+- peak memory over the training steps (CUDA allocator: allocated and reserved; CPU: the process's max RSS);
+- FLOP per step and MFU. The FLOPs are those of one warm-up step as ``torch.utils.flop_counter`` counts the
+  kernels that run (``2·m·n·k`` per matmul, attention kernels by their dense formula, masked-out positions
+  included), forward and backward, split into the phases above::
+
+      FLOP/step = F_target + F_head + F_drafter + F_backward
+      F_target   ≈ 2·P_t·T + 4·L_t·T²·H_t·d_t (attention, causal kernels counted dense) + 2·T·d·V (logits)
+      F_head     ≈ 2·Q·d·V                     (the target's LM head on the drafter's Q query states)
+      F_drafter  ≈ 2·P_d·Q + attention over the drafter's keys + the loss's matmuls
+      F_backward ≈ 2 × the forward FLOPs of what needs a gradient (4 × for a layer whose weights train)
+      MFU = FLOP/step / (s/step · peak)
+
+  with ``T`` tokens per step, ``P_t`` the target's non-embedding parameters, ``L_t`` layers, ``H_t·d_t`` attention
+  width, ``d`` hidden size, ``V`` vocabulary; ``Q`` is anchors × block size for block drafters, the row's positions
+  times the unrolled steps for EAGLE-3. ``peak`` is the device's dense bf16 peak (a table of known GPUs, or
+  ``--peak-tflops``).
+
+A recipe that fails prints its error and the script goes on to the next; the exit status is 1 if any failed. Keys
+of the recipe can be set with ``--override KEY=VALUE`` (passed as ``--KEY VALUE`` to ``trainer fit``, e.g.
+``--override model.max_anchors=256``). ``--shrink`` builds a tiny shape of the same architecture (8 layers,
+width 64, the real vocabulary) and runs on the CPU in seconds::
+
+    OMP_NUM_THREADS=1 python benchmarks/scale.py --shrink --recipes treeflash_qwen3_4b,eagle3_qwen3_8b
+
+On a GPU (default: the 4B recipes of DFlash and TreeFlash, 40 steps, their rows of 3072 tokens; sized for a few
+minutes, most of them building, saving and loading the 8 GB target, but not yet timed on a GPU)::
+
+    python benchmarks/scale.py [--recipes treeflash_qwen3_4b,dflash_qwen3_4b] [--steps 40] [--work runs/scale]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from lightning.pytorch.callbacks import Callback
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoConfig, PretrainedConfig
+
+# The real shapes, as their hub configs give them (text fields that change the compute or the checkpoint).
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3_4b": {
+        "model_type": "qwen3",
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+    "llama31_8b": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+}
+# Qwen3-8B: Qwen3-4B's depth, heads, vocabulary and RoPE; wider, with an untied LM head.
+SHAPES["qwen3_8b"] = {
+    **SHAPES["qwen3_4b"],
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "tie_word_embeddings": False,
+}
+# The MASK token of a DFlash backbone: Qwen3's DFlash drafters use id 151669 (as recipes/dflash_qwen3_4b.yaml);
+# for Llama 3.1 the first reserved special token.
+MASK_TOKEN = {"qwen3_4b": 151669, "qwen3_8b": 151669, "llama31_8b": 128002}
+# --shrink: the same architecture and vocabulary, small enough for a CPU.
+SHRINK = {
+    "hidden_size": 64,
+    "intermediate_size": 192,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+# Dense bf16 peak FLOP/s by device name (first match wins).
+PEAK_BF16 = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12), ("GH200", 989e12),
+             ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12)]  # fmt: skip
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def shape_of(recipe: str) -> str:
+    """The shape a recipe's name ends in (``treeflash_qwen3_4b`` → ``qwen3_4b``)."""
+    for name in SHAPES:
+        if recipe == name or recipe.endswith(f"_{name}"):
+            return name
+    raise ValueError(f"recipe '{recipe}' names none of the shapes {', '.join(SHAPES)} (recipes/<drafter>_<shape>)")
+
+
+def target_fields(shape: str, shrink: bool) -> dict[str, Any]:
+    """The config fields of ``shape`` (shrunk with ``shrink``)."""
+    return {**SHAPES[shape], **(SHRINK if shrink else {})}
+
+
+def model_config(shape: str, shrink: bool) -> PretrainedConfig:
+    """The HF config of ``shape`` (shrunk with ``shrink``)."""
+    fields = target_fields(shape, shrink)
+    return AutoConfig.for_model(fields["model_type"], **{k: v for k, v in fields.items() if k != "model_type"})
+
+
+def _matches(directory: Path, fields: dict[str, Any]) -> bool:
+    """Whether ``directory`` holds a complete HF model whose config has ``fields``."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return all(config.get(k) == v for k, v in fields.items()) and any(directory.glob("*.safetensors"))
+
+
+def build_target(shape: str, out: Path, device: torch.device, shrink: bool) -> Path:
+    """A randomly initialised causal LM of ``shape`` saved at ``out`` with the tiny tokenizer (reused if there)."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.io import write_dir_atomic
+
+    if _matches(out, target_fields(shape, shrink)):
+        print(f"target {shape}: reusing {out}", flush=True)
+        return out
+    start = time.perf_counter()
+    config = model_config(shape, shrink)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    params = sum(p.numel() for p in model.parameters())
+    write_dir_atomic(out, functools.partial(save_with_tokenizer, model))
+    del model
+    empty_cache(device)
+    print(f"target {shape}: {params / 1e9:.2f}B parameters -> {out} ({time.perf_counter() - start:.0f} s)", flush=True)
+    return out
+
+
+def save_with_tokenizer(model: torch.nn.Module, out: Path) -> None:
+    """``model`` as an HF directory at ``out``, with the shipped tiny target's tokenizer beside it."""
+    from trainer.paths import project_path
+
+    model.save_pretrained(out)
+    tokenizer = project_path("checkpoints/target_tiny")
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer / name, out / name)
+
+
+def build_backbone(shape: str, target: Path, out: Path, device: torch.device, layers: int) -> Path:
+    """A random DFlash drafter of ``layers`` layers, block 16, for the target at ``target`` (reused if there)."""
+    from trainer.drafters.dflash import DFlashDraftModel, build_config
+    from trainer.io import write_dir_atomic
+
+    config = build_config(AutoConfig.from_pretrained(target), layers, 16, MASK_TOKEN[shape])
+    if _matches(out, {"hidden_size": config.hidden_size, "num_hidden_layers": layers}):
+        print(f"DFlash backbone: reusing {out}", flush=True)
+        return out
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = DFlashDraftModel(config).to(dtype)
+    write_dir_atomic(out, model.save_pretrained)
+    print(f"DFlash backbone: {layers} layers -> {out}", flush=True)
+    del model
+    empty_cache(device)
+    return out
+
+
+def empty_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class StepClock(Callback):
+    """Times every training step by phase, counts one warm-up step's FLOPs, and prints and saves the summary.
+
+    Args:
+        label: the name printed on every line (the recipe).
+        report: JSON file written at the end of training with the summary.
+        warmup: steps left out of the medians (the FLOPs are counted on the last of them).
+        peak_tflops: the device's dense bf16 peak; default from the device name (none on a CPU: no MFU).
+        count_flops: count FLOPs (``torch.utils.flop_counter``) on a warm-up step.
+    """
+
+    PHASES = ("target forward", "LM head", "drafter forward and loss", "backward", "optimizer", "between steps")
+
+    def __init__(
+        self, label: str, report: str, warmup: int = 5, peak_tflops: float | None = None, count_flops: bool = True
+    ) -> None:
+        self.label = label
+        self.report = Path(report)
+        self.warmup = max(warmup, 1)
+        self.peak = peak_tflops * 1e12 if peak_tflops else None
+        self.count_flops = count_flops
+        self.samples: dict[str, list[float]] = {}
+        self.flops: dict[str, float] = {}
+        self.tokens = 0
+        self.steps = 0
+        self._last_end: Any = None
+        self._flop_mode: FlopCounterMode | None = None
+
+    # ---- marks: CUDA events (the GPU's timeline, host waits included) or wall clock --------------------------
+    def _mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _seconds(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+    def _flop_total(self) -> float:
+        return float(self._flop_mode.get_total_flops()) if self._flop_mode is not None else 0.0
+
+    # ---- hooks on the target and its LM head -------------------------------------------------------------
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.cuda = pl_module.device.type == "cuda"
+        self.device = pl_module.device
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            name = torch.cuda.get_device_name(self.device)
+            self.device_name = name
+            if self.peak is None:
+                self.peak = next((peak for key, peak in PEAK_BF16 if key in name), None)
+        else:
+            self.device_name = "cpu"
+        self._in_target = False
+        self._spans: dict[str, list[tuple[Any, Any]]] = {"target forward": [], "LM head": []}
+        self._span_flops: dict[str, float] = {"target forward": 0.0, "LM head": 0.0}
+        self._open: dict[str, tuple[Any, float]] = {}
+        target, head = pl_module.target, pl_module.target.lm_head
+        self._handles = [
+            target.register_forward_pre_hook(lambda *_: self._enter("target forward")),
+            target.register_forward_hook(lambda *_: self._leave("target forward")),
+            head.register_forward_pre_hook(lambda *_: self._enter("LM head")),
+            head.register_forward_hook(lambda *_: self._leave("LM head")),
+        ]
+        # An FSDP2 shard (DTensor) counts its whole parameter's elements.
+        self.trainable = sum(p.numel() for p in pl_module.trainable_parameters())
+
+    def _enter(self, span: str) -> None:
+        # The target's own forward calls its LM head: only calls on the drafter's states count as "LM head".
+        if span == "LM head" and self._in_target:
+            return
+        self._in_target |= span == "target forward"
+        self._open[span] = (self._mark(), self._flop_total())
+
+    def _leave(self, span: str) -> None:
+        if span not in self._open:
+            return
+        start, flops = self._open.pop(span)
+        self._spans[span].append((start, self._mark()))
+        self._span_flops[span] += self._flop_total() - flops
+        if span == "target forward":
+            self._in_target = False
+
+    # ---- the step ------------------------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.tokens = batch["input_ids"].numel() * trainer.world_size
+        for span in self._spans:
+            self._spans[span].clear()
+            self._span_flops[span] = 0.0
+        if self.count_flops and self.steps == self.warmup - 1:
+            self._flop_mode = FlopCounterMode(display=False)
+            self._flop_mode.__enter__()
+        self._marks = {"start": self._mark()}
+        self._mark_flops = {"start": self._flop_total()}
+
+    def _phase_end(self, name: str) -> None:
+        self._marks[name] = self._mark()
+        self._mark_flops[name] = self._flop_total()
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self._phase_end("forward")
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self._phase_end("backward")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._phase_end("end")
+        if self.cuda:
+            self._marks["end"].synchronize()
+        m = self._marks
+        spans = {k: sum(self._seconds(a, b) for a, b in v) for k, v in self._spans.items()}
+        times = {
+            "target forward": spans["target forward"],
+            "LM head": spans["LM head"],
+            "drafter forward and loss": self._seconds(m["start"], m["forward"]) - sum(spans.values()),
+            "backward": self._seconds(m["forward"], m["backward"]),
+            "optimizer": self._seconds(m["backward"], m["end"]),
+            "between steps": self._seconds(self._last_end, m["start"]) if self._last_end is not None else 0.0,
+        }
+        step = sum(times.values())
+        self._last_end = m["end"]
+        if self._flop_mode is not None:
+            f = self._mark_flops
+            self.flops = {
+                "target forward": self._span_flops["target forward"],
+                "LM head": self._span_flops["LM head"],
+                "drafter forward and loss": f["forward"] - f["start"] - sum(self._span_flops.values()),
+                "backward": f["backward"] - f["forward"],
+                "optimizer": f["end"] - f["backward"],
+            }
+            self._flop_mode.__exit__(None, None, None)
+            self._flop_mode = None
+        self.steps += 1
+        timed = self.steps > self.warmup
+        if timed:
+            for k, v in {**times, "step": step}.items():
+                self.samples.setdefault(k, []).append(v)
+        if trainer.is_global_zero:
+            parts = " | ".join(f"{k} {v:.3f}" for k, v in times.items())
+            tag = "" if timed else " (warm-up)"
+            print(f"[{self.label}] step {self.steps}{tag}: {step:.3f} s, {self.tokens / step:,.0f} tok/s | {parts}",
+                  flush=True)  # fmt: skip
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        for handle in self._handles:
+            handle.remove()
+        if not trainer.is_global_zero:
+            return
+        summary = self.summary()
+        self.report.parent.mkdir(parents=True, exist_ok=True)
+        self.report.write_text(json.dumps(summary, indent=1))
+        print(format_summary(self.label, summary), flush=True)
+
+    def summary(self) -> dict[str, Any]:
+        """The medians over the timed steps, FLOPs, MFU and peak memory (``s_per_step`` None without timed steps)."""
+        med = {k: statistics.median(v) for k, v in self.samples.items()}
+        step = med.get("step")
+        flops = sum(self.flops.values()) if self.flops else None
+        out: dict[str, Any] = {
+            "device": self.device_name,
+            "timed_steps": len(self.samples.get("step", [])),
+            "warmup": self.warmup,
+            "tokens_per_step": self.tokens,
+            "trainable_parameters": self.trainable,
+            "s_per_step": step,
+            "tokens_per_s": self.tokens / step if step else None,
+            "phases_s": {k: med[k] for k in self.PHASES if k in med},
+            "flops_per_step": flops,
+            "flops_by_phase": self.flops,
+            "peak_flops": self.peak,
+            "mfu": flops / (step * self.peak) if flops and step and self.peak else None,
+        }
+        if self.cuda:
+            out["peak_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+            out["peak_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 1e9
+        else:
+            out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+        return out
+
+
+def format_summary(label: str, s: dict[str, Any]) -> str:
+    """The summary of one recipe's run as printed lines."""
+    if not s["s_per_step"]:
+        return f"[{label}] no timed steps: raise --steps above --warmup ({s['warmup']})"
+    step = s["s_per_step"]
+    lines = [
+        f"[{label}] {s['timed_steps']} steps after {s['warmup']} warm-up on {s['device']}: {step:.3f} s/step, "
+        f"{s['tokens_per_s']:,.0f} tokens/s ({s['tokens_per_step']} tokens a step), "
+        f"{_si(s['trainable_parameters'])} trainable parameters"
+    ]
+    phases = s["phases_s"]
+    largest = max(phases, key=phases.get)
+    lines.append(
+        "  phases (median s, share): "
+        + ", ".join(f"{k} {v:.3f} ({v / step:.0%})" for k, v in phases.items())
+        + f"; largest: {largest}"
+    )
+    if s["flops_per_step"]:
+        split = " + ".join(f"{k} {_si(v)}" for k, v in s["flops_by_phase"].items() if v)
+        lines.append(f"  FLOP/step {_si(s['flops_per_step'])} = {split} (torch.utils.flop_counter, one warm-up step)")
+    if s["mfu"] is not None:
+        lines.append(f"  MFU {s['mfu']:.1%} of {s['peak_flops'] / 1e12:.0f} TFLOP/s (dense bf16 peak)")
+    if "peak_allocated_gb" in s:
+        allocated, reserved = s["peak_allocated_gb"], s["peak_reserved_gb"]
+        lines.append(f"  peak memory {allocated:.1f} GB allocated, {reserved:.1f} GB reserved")
+    else:
+        lines.append(f"  peak memory {s['peak_rss_gb']:.2f} GB resident (process maximum)")
+    return "\n".join(lines)
+
+
+def _si(value: float) -> str:
+    """``value`` with an SI prefix: 25.3T, 124M, 8.1k."""
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{unit}"
+    return f"{value:.3g}"
+
+
+# ---- the driver ----------------------------------------------------------------------------------------------
+def fit_command(recipe: str, args: argparse.Namespace, work: Path, target: Path, backbone: Path | None) -> list[str]:
+    """``trainer fit`` of a copy of ``recipe`` with :class:`StepClock` among its callbacks, and the overrides."""
+    from trainer.recipes import load_recipe, resolve_recipe
+
+    config = load_recipe(resolve_recipe(recipe))
+    trainer = config.setdefault("trainer", {})
+    callbacks = trainer.get("callbacks") or []
+    clock = {
+        "label": recipe,
+        "report": str(work / "report.json"),
+        "warmup": args.warmup,
+        "peak_tflops": args.peak_tflops,
+        "count_flops": args.flops,
+    }
+    trainer["callbacks"] = [*callbacks, {"class_path": "scale.StepClock", "init_args": clock}]
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "recipe.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    options = {
+        "model.target": str(target),
+        "trainer.devices": "1",
+        "trainer.max_steps": str(args.steps),
+        # One short validation pass at the last step: the per-depth table and the export still run.
+        "trainer.val_check_interval": str(args.steps),
+        "trainer.limit_val_batches": str(args.val_batches),
+        "trainer.num_sanity_val_steps": "0",
+        "trainer.enable_progress_bar": "false",
+        "trainer.default_root_dir": str(work),
+        "data.spec.paths": f"[{args.data}]",
+        "data.spec.format": "text",
+    }
+    if backbone is not None:
+        options["model.backbone"] = str(backbone)
+    if args.max_length:
+        options["data.spec.max_length"] = str(args.max_length)
+    if args.shrink:
+        options["trainer.accelerator"] = "cpu"
+        if config.get("model", {}).get("init_args", {}).get("max_anchors"):
+            options["model.max_anchors"] = "8"
+    for item in args.override:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--override {item!r}: expected KEY=VALUE, e.g. model.max_anchors=256")
+        options[key.removeprefix("--")] = value
+    return [sys.executable, "-m", "trainer", "fit", "--recipe", str(path)] + [
+        word for key, value in options.items() for word in (f"--{key}", value)
+    ]
+
+
+def run_recipe(recipe: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Build what ``recipe`` needs, run its fit in a subprocess, and return its summary (raises on failure)."""
+    from trainer.recipes import resolve_recipe
+
+    resolve_recipe(recipe)  # an unknown recipe fails before any model is built
+    shape = shape_of(recipe)
+    suffix = "_shrink" if args.shrink else ""
+    target = build_target(shape, args.work / "targets" / f"{shape}{suffix}", device, args.shrink)
+    backbone = None
+    if recipe.startswith("treeflash"):
+        out = args.work / "backbones" / f"dflash_{shape}{suffix}"
+        backbone = build_backbone(shape, target, out, device, args.backbone_layers)
+    work = args.work / "runs" / recipe
+    report = work / "report.json"
+    report.unlink(missing_ok=True)
+    command = fit_command(recipe, args, work, target, backbone)
+    print(f"[{recipe}] {' '.join(command[1:])}", flush=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), str(ROOT), env.get("PYTHONPATH")) if p)
+    start = time.perf_counter()
+    rc = subprocess.run(command, env=env, timeout=args.timeout).returncode
+    if rc != 0:
+        # The FLOP counter (a dispatch mode over one warm-up step) is the one thing this script adds to the step.
+        hint = "; if its trace runs through flop_counter, run again with --no-flops" if args.flops else ""
+        raise RuntimeError(f"trainer fit exited with status {rc}{hint}")
+    if not report.is_file():
+        raise RuntimeError(f"trainer fit ended without a report at {report}")
+    summary = json.loads(report.read_text())
+    summary["wall_s"] = time.perf_counter() - start
+    return summary
+
+
+def print_table(results: dict[str, dict[str, Any] | str]) -> None:
+    """One line per recipe: the summary figures side by side, or the error."""
+    header = f"{'recipe':<22} {'s/step':>7} {'tok/s':>9} {'MFU':>6} {'peak GB':>8} {'fit s':>6}  largest phase"
+    print("\n" + header + "\n" + "-" * len(header))
+    for recipe, s in results.items():
+        if isinstance(s, str):
+            print(f"{recipe:<22} failed: {s}")
+            continue
+        if not s["s_per_step"]:
+            print(f"{recipe:<22} no timed steps")
+            continue
+        peak = s.get("peak_allocated_gb", s.get("peak_rss_gb"))
+        mfu = f"{s['mfu']:.1%}" if s["mfu"] is not None else "-"
+        phases = s["phases_s"]
+        largest = max(phases, key=phases.get)
+        print(
+            f"{recipe:<22} {s['s_per_step']:>7.3f} {s['tokens_per_s']:>9,.0f} {mfu:>6} {peak:>8.1f} "
+            f"{s['wall_s']:>6.0f}  {largest} ({phases[largest] / s['s_per_step']:.0%})"
+        )
+    sys.stdout.flush()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipes", default="treeflash_qwen3_4b,dflash_qwen3_4b", help="comma-separated recipe names")
+    p.add_argument("--steps", type=int, default=40, help="training steps per recipe, warm-up included")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
+    p.add_argument("--max-length", type=int, default=0, help="tokens per row (default: the recipe's)")
+    p.add_argument("--data", default="stdlib:train", help="text data of the run (a path or stdlib:SPLIT)")
+    p.add_argument("--val-batches", type=int, default=2, help="batches of the validation pass at the last step")
+    p.add_argument("--backbone-layers", type=int, default=5, help="layers of TreeFlash's random DFlash backbone")
+    p.add_argument("--work", type=Path, default=Path("runs/scale"), help="targets, backbones and runs go here")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="a recipe key, repeatable")
+    p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (default: by name)")
+    p.add_argument("--flops", action=argparse.BooleanOptionalAction, default=True, help="count FLOPs (a warm-up step)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds a recipe's fit may take")
+    p.add_argument("--shrink", action="store_true", help="a tiny shape of each architecture, on the CPU")
+    p.add_argument("--smoke", action="store_true", help="--shrink with 3 steps of short rows: checks the script runs")
+    args = p.parse_args()
+    if args.smoke:
+        args.shrink, args.steps, args.warmup, args.val_batches = True, 3, 1, 1
+        if args.recipes == p.get_default("recipes"):
+            # Both architectures, both strategies (FSDP2, DDP), a built backbone and a data-made draft vocabulary.
+            args.recipes = "treeflash_qwen3_4b,eagle3_llama31_8b"
+    if args.shrink:
+        args.data = "stdlib:validation" if args.data == "stdlib:train" else args.data
+        args.max_length = min(args.max_length or 128, 128)
+    args.work = args.work.resolve()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.shrink else "cpu")
+    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}", flush=True)
+    start = time.perf_counter()
+    results: dict[str, dict[str, Any] | str] = {}
+    for recipe in [r.strip() for r in args.recipes.split(",") if r.strip()]:
+        try:
+            results[recipe] = run_recipe(recipe, args, device)
+        except Exception as e:  # one recipe failing must not stop the others
+            print(f"[{recipe}] failed: {type(e).__name__}: {e}", flush=True)
+            results[recipe] = f"{type(e).__name__}: {e}"
+        empty_cache(device)
+    print_table(results)
+    print(f"{time.perf_counter() - start:.0f} s in all (building, saving and loading included)")
+    sys.exit(1 if any(isinstance(s, str) for s in results.values()) else 0)
+
+
+if __name__ == "__main__":
+    main()
