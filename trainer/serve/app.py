@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
-from trainer.data.render import stop_token_ids
+from trainer.data.render import end_of_text_ids, stop_token_ids
 from trainer.serve.worker import Identity, Worker, new_request_id, seeded_generator
 from trainer.spec.batch import BatchRequest
 from trainer.spec.verify import Sampling
@@ -113,8 +113,7 @@ def stop_ids_of(tokenizer: PreTrainedTokenizerBase, eos_token_id: int | list[int
     tokenizer and of the target's generation config (``eos_token_id``); without a chat template, the latter."""
     if tokenizer.chat_template:
         return frozenset(stop_token_ids(tokenizer, eos_token_id))
-    extra = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
-    return frozenset(i for i in (tokenizer.eos_token_id, *extra) if i is not None)
+    return frozenset(end_of_text_ids(tokenizer, eos_token_id))
 
 
 def build_app(worker: Worker, tokenizer: PreTrainedTokenizerBase, model_name: str, limits: Limits) -> FastAPI:

@@ -8,8 +8,9 @@
 - ``trainer_steps_total{arm}``: steps per controller arm (``tree@budget``), ``trainer_arm_tau{arm}``: the
   controller's τ estimate per arm; ``trainer_tokens_total``;
   ``trainer_requests_total{status}``;
-- ``trainer_engine_errors_total{phase}``: prefills and steps that raised (their requests ended with a 5xx
-  error; the server serves on), counted apart from quarantined snapshots.
+- ``trainer_engine_errors_total{phase}``: engine failures by phase, ``prefill``, ``step`` or ``bookkeeping``
+  (the engine loop's other work); their requests ended with a 5xx error and the server serves on. Counted apart
+  from quarantined snapshots.
 """
 
 from __future__ import annotations
