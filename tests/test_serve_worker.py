@@ -4,6 +4,7 @@ on), and generation stops at the chat template's own end-of-turn token."""
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -114,8 +115,11 @@ def test_each_step_names_the_drafter_and_version_that_drafted_it(target, tokeniz
 
 
 @pytest.fixture
-def served(target, tokenizer):
-    """The app over a started worker, plain decoding; ``fail`` names phases whose next run raises."""
+def served(target, tokenizer, tmp_path):
+    """The app over a started worker, plain decoding, watching a directory whose one snapshot is bad (a wrong
+    vocabulary: quarantined); ``fail`` names phases whose next run raises."""
+    bad = torch.zeros(17, 8, dtype=torch.long)
+    publish(tmp_path / "watch", lambda d: save_file({"adjacency": bad}, str(d / "adjacency.safetensors")), {})
     engine = BatchEngine(target, None, ("none",), Fixed("none", 0))
     fail: set[str] = set()
 
@@ -125,7 +129,7 @@ def served(target, tokenizer):
             raise RuntimeError(f"injected {phase} failure")
 
     engine.fault = fault
-    worker = Worker(engine, Metrics(), MODEL, None, None, reload_seconds=0.1)
+    worker = Worker(engine, Metrics(), MODEL, None, None, watch=(tmp_path / "watch",), reload_seconds=0.1)
     worker.start()
     yield worker, fail
     worker.stop()
@@ -146,7 +150,8 @@ def test_an_engine_failure_ends_its_request_with_a_5xx_and_the_server_serves_on(
     assert response.status_code == 500
     error = response.json()["error"]
     assert error["type"] == "server_error" and error["code"] == "engine_error"
-    assert "injected prefill failure" in error["message"]
+    # The failure's own cause, not the quarantined snapshot's.
+    assert "injected prefill failure" in error["message"] and "adjacency" not in error["message"]
 
     fail.add("step")
     with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as streamed:
@@ -159,7 +164,7 @@ def test_an_engine_failure_ends_its_request_with_a_5xx_and_the_server_serves_on(
     assert client.get("/health").json()["status"] == "ok"
     assert metric(client, 'trainer_engine_errors_total{phase="prefill"}') == 1
     assert metric(client, 'trainer_engine_errors_total{phase="step"}') == 1
-    assert metric(client, "trainer_quarantined_snapshots_total") == 0
+    assert metric(client, "trainer_quarantined_snapshots_total") == 1
     assert metric(client, 'trainer_requests_total{status="error"}') == 2
     # Every request ended, so the worker forgot every identity.
     assert worker.identities == {}
@@ -199,3 +204,17 @@ def test_chat_requests_stop_at_the_templates_own_end_of_turn_token(served, tmp_p
     # generation config's end-of-sequence ids.
     assert stop_token_ids(tokenizer) == [eot, tokenizer.eos_token_id]
     assert stop_token_ids(tokenizer, [tokenizer.eos_token_id, 5]) == [eot, tokenizer.eos_token_id, 5]
+
+
+def test_a_request_ends_when_the_engine_thread_is_gone(target, tokenizer):
+    """The handler watches the engine thread while it waits: a server whose engine thread is not running answers
+    503 instead of waiting forever."""
+    worker = Worker(BatchEngine(target, None, ("none",), Fixed("none", 0)), Metrics(), MODEL, None, None)
+    client = TestClient(build_app(worker, tokenizer, MODEL, Limits(context=2048, max_tokens=64)))
+    answers = []
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4}
+    thread = threading.Thread(target=lambda: answers.append(client.post("/v1/completions", json=body)), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert answers, "the request was still waiting after 60 s"
+    assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "engine_stopped"
