@@ -432,6 +432,32 @@ def test_an_updates_version_inherits_the_reference_tau(tmp_path):
     restarted.close()
 
 
+def test_a_version_is_judged_only_on_the_steps_its_drafter_drafted(tmp_path):
+    """Plain and recycling steps (``drafter`` null), unversioned or foreign versions and another drafter's steps
+    stay out of every live τ: the version's τ is its own drafter's (4 here, where the rest accepted nothing), no
+    alarm follows, and the metrics say how many steps were ignored and why."""
+    (tmp_path / "logs").mkdir()
+    daemon = _daemon(tmp_path)
+    assert daemon.state["version"] == 1
+    lines = []
+    for i in range(12):
+        lines.append(_step(f"r{i}", 1, 0, 1, accepted=3))  # drafted by version 1: τ 4
+        free = _step(f"r{i}", 1, 5, 1, accepted=0)
+        lines.append({**free, "drafter": None, "tree": "none"})  # a plain step logged with a version
+        lines.append({**free, "drafter": None, "drafter_version": None, "adjacency_version": 1, "tree": "recycling"})
+        lines.append({**free, "drafter_version": None})
+        lines.append({**free, "drafter_version": 7})  # never published here
+        lines.append({**free, "drafter": "other"})
+    (tmp_path / "logs" / "seg-000001-1000.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert daemon.run(once=True) == 0 and daemon.alarm is None
+    live = daemon._live(1)
+    assert live.full and live.tau == pytest.approx(4.0)
+    assert set(daemon.state["live"]) == {"1"}
+    ignored = json.loads((tmp_path / "state" / "metrics.json").read_text())["ignored_steps"]
+    assert ignored == {"no drafter": 24, "unversioned": 12, "unknown version": 12, "other drafter": 12}
+    daemon.close()
+
+
 def test_alarm_on_a_zeroed_drafter_and_on_collapsed_tau(tmp_path):
     (tmp_path / "logs").mkdir()
     daemon = _daemon(tmp_path)

@@ -228,7 +228,8 @@ def test_load_with_snapshots_published_mid_load_and_complete_logs(server):
     assert server.metric("trainer_adjacency_version") == good
     assert server.metric("trainer_drafter_version") == drafter
     assert server.metric("trainer_quarantined_snapshots_total") >= 1 and bad == drafter + 1
-    assert server.metric("trainer_engine_errors_total") == 0
+    # No prefill or step failed (the counter has a sample per phase that did).
+    assert "trainer_engine_errors_total{" not in httpx.get(f"{server.url}/metrics", timeout=30).text
     # The controller's τ estimates, read at the scrape: plain decoding's is 1, a drafting arm's at least 1.
     assert server.metric('trainer_arm_tau{arm="none@0"}') == 1.0
     assert server.metric('trainer_arm_tau{arm="recycling@8"}') >= 1.0

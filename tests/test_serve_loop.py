@@ -2,7 +2,10 @@
 prompt stream shifts domain, and the daemons' snapshots reach the server (hot reload) while τ is read back from the
 verifier log."""
 
+import json
+
 from trainer.serve.loop import bandit_decisions, run_loop, write_report
+from trainer.vlog.schema import validate
 
 
 def test_closed_loop_serves_with_published_adjacency(tmp_path):
@@ -23,3 +26,36 @@ def test_closed_loop_serves_with_published_adjacency(tmp_path):
     rows = write_report(tmp_path, served, size=5)
     assert [r["domain"] for r in rows] == ["stdlib", "foreign", "foreign"]
     assert (tmp_path / "loop.png").stat().st_size > 0 and "| τ |" in (tmp_path / "loop.md").read_text()
+
+
+def test_closed_loop_in_the_readme_setup_judges_versions_on_their_own_steps(tmp_path):
+    """``trainer serve`` with its default ``--tree auto`` (the controller runs plain decoding most steps on a CPU),
+    both daemons, the bandit's drafter version published while the server runs: plain and recycling steps name no
+    drafter and no drafter version, never enter a version's live τ, and the bandit neither rolls back nor raises
+    the alarm (an alarm would have made ``run_loop`` fail on the daemon's exit code)."""
+    served = run_loop(tmp_path, requests=4, max_tokens=24, temperature=0.7, publish_seconds=1.0, tree="auto")
+    assert served[-1].drafter_version >= 1 and served[-1].version >= 1
+    steps = [
+        record
+        for segment in sorted((tmp_path / "logs").glob("*.jsonl"))
+        for line in segment.read_text().splitlines()
+        if (record := validate(json.loads(line)))["kind"] == "step"
+    ]
+    free = [r for r in steps if r["tree"] in ("none", "recycling")]
+    assert free, "the controller decoded without a drafter at least once"
+    assert all(r["drafter"] is None and r["drafter_version"] is None for r in free)
+    assert all(r.get("adjacency_version") is None for r in steps if r["tree"] == "none")
+    drafted: dict[str, int] = {}
+    for r in steps:
+        if r["drafter"] is not None:
+            assert r["tree"] == "ddtree"
+            drafted[str(r["drafter_version"])] = drafted.get(str(r["drafter_version"]), 0) + 1
+    state = json.loads((tmp_path / "bandit-state" / "state.json").read_text())
+    # The bandit's live steps per version are the version's drafted steps (at most: it may stop before the last).
+    for version, live in state["live"].items():
+        assert live["steps"] <= drafted.get(version, 0), (version, live["steps"], drafted)
+    metrics = json.loads((tmp_path / "bandit-state" / "metrics.json").read_text())
+    assert metrics["ignored_steps"]["no drafter"] >= 1 and metrics["alarm"] is None
+    journal = tmp_path / "bandit-state" / "decisions.jsonl"
+    events = [json.loads(line) for line in journal.read_text().splitlines()] if journal.is_file() else []
+    assert not [e for e in events if e.get("event") == "alarm" or "rolled_back_to" in e]

@@ -8,10 +8,14 @@ import time
 import pytest
 import torch
 from conftest import ROOT, TINY_TARGET
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from trainer.adapt.publish import load_adjacency, publish
+from trainer.errors import UserError
+from trainer.evaluate import refresh_adjacency
 from trainer.spec.batch import BatchEngine, BatchRequest, Fixed
-from trainer.spec.drafting import GraftSession, draft_blocks, load_drafter
+from trainer.spec.drafting import GraftSession, RecyclingSession, draft_blocks, load_drafter
 from trainer.spec.engine import BUILDERS, generate, make_session
 from trainer.spec.verify import Sampling
 
@@ -142,7 +146,7 @@ def test_a_published_adjacency_fills_rows_the_server_did_not_learn(shipped):
     newer = torch.randint(0, 8192, (8192, 4))
     engine.set_adjacency(newer)
     assert torch.equal(engine.recycling.adjacency, newer)
-    with pytest.raises(ValueError, match="needs"):
+    with pytest.raises(UserError, match=r"shape \(8192, k\)"):
         engine.set_adjacency(torch.zeros(17, 4, dtype=torch.long))
     assert torch.equal(engine.recycling.adjacency, newer)
 
@@ -296,3 +300,122 @@ def test_a_plain_step_is_not_charged_for_the_learning_it_does_for_a_drafting_arm
     # Every plain step learned (0.2 s each), and none was charged for it: a step of the tiny target takes ms.
     assert len(learned) >= len(policy.seconds) == 3
     assert max(policy.seconds) < 0.1
+
+
+class Failing(Exception):
+    pass
+
+
+def test_a_failed_prefill_or_step_ends_the_requests_it_touched_and_the_engine_serves_on(shipped):
+    """Injected through the engine's ``fault`` seam: a prefill that raises ends its request alone; a step that
+    raises ends the batch's rows; both with finish reason "error" and what failed; waiting requests and the next
+    ones are served as if nothing happened."""
+    target, _, prompts = shipped
+    engine = BatchEngine(target, None, ("recycling",), Fixed("recycling", 8))
+    failures = []
+    engine.on_failure = lambda phase, requests, error: failures.append((phase, list(requests), error))
+    doomed = BatchRequest(prompts[1], 8)
+
+    def fault(phase, requests):
+        if phase == "prefill" and requests == [doomed]:
+            raise Failing("prefill boom")
+
+    engine.fault = fault
+    ok = BatchRequest(prompts[0], 8)
+    for request in (doomed, ok):
+        engine.submit(request)
+    while engine.busy:
+        engine.step()
+    assert doomed.finished and doomed.finish_reason == "error" and "prefill boom" in doomed.error
+    assert ok.finish_reason == "length" and ok.error is None
+    plain = generate(target, make_session("none", target, None), BUILDERS["none"], prompts[0], 8, 0).tokens
+    assert ok.tokens == plain
+    assert [(phase, requests) for phase, requests, _ in failures] == [("prefill", [doomed])]
+
+    # A step that raises: both rows in the batch end with the error; a request still waiting is not touched.
+    engine.fault, engine.max_batch = None, 2
+    rows = [BatchRequest(p, 8) for p in prompts[:2]]
+    for request in rows:
+        engine.submit(request)
+    engine.step()
+    waiting = BatchRequest(prompts[2], 8)
+    engine.submit(waiting)
+
+    def fail_step(phase, requests):
+        if phase == "step":
+            raise Failing("step boom")
+
+    engine.fault = fail_step
+    engine.step()
+    assert all(r.finish_reason == "error" and "step boom" in r.error for r in rows)
+    assert failures[-1][0] == "step" and failures[-1][1] == rows
+    assert not engine.rows and not waiting.finished
+    engine.fault = None
+    while engine.busy:
+        engine.step()
+    alone = generate(target, make_session("none", target, None), BUILDERS["none"], prompts[2], 8, 0).tokens
+    assert waiting.finish_reason == "length" and waiting.tokens == alone
+
+
+def test_a_request_keeps_the_drafter_version_it_was_admitted_with(shipped):
+    """``set_drafter`` serves requests that join afterwards; one in flight is drafted by its old drafter's sessions
+    to the end and keeps that version; a request without a drafter's session has none."""
+    target, drafter, prompts = shipped
+    policy = Scripted()
+    engine = BatchEngine(target, drafter, ("none", "ddtree"), policy)
+    plain = BatchRequest(prompts[0], 4)
+    engine.submit(plain)
+    engine.set_drafter(drafter, 1)
+    engine.step()
+    policy.want = True
+    old = BatchRequest(prompts[1], 24)
+    engine.submit(old)
+    while not plain.finished:
+        engine.step()
+    engine.set_drafter(load_drafter(ROOT / "checkpoints" / "dflash_tiny"), 2)
+    new = BatchRequest(prompts[3], 8)
+    engine.submit(new)
+    while engine.busy:
+        engine.step()
+    assert plain.drafter_version is None and old.drafter_version == 1 and new.drafter_version == 2
+    assert old.sessions[BUILDERS["ddtree"].session].drafter is drafter
+    assert new.sessions[BUILDERS["ddtree"].session].drafter is not drafter
+
+
+def test_the_shared_adjacency_learns_once_per_step_under_graft_and_recycling(shipped, monkeypatch):
+    """Graft sessions share the engine's adjacency with the recycling arm: the engine teaches it once per step
+    (and once per admitted prompt), not once more through every Graft session."""
+    target, drafter, prompts = shipped
+    engine = BatchEngine(target, drafter, ("recycling", "graft-dflash"), Fixed("graft-dflash", 8))
+    calls = []
+    learn = engine.recycling.learn
+    monkeypatch.setattr(engine.recycling, "learn", lambda *args: calls.append(1) or learn(*args))
+    for prompt in prompts[:2]:
+        engine.submit(BatchRequest(prompt, 8))
+    engine.step()
+    # Two prompts, then one step of two rows.
+    assert len(calls) == 3
+    steps = engine.steps
+    engine.step()
+    assert engine.steps == steps + 1 and len(calls) == 4
+
+
+def test_eval_and_the_server_merge_a_snapshot_by_one_rule(shipped, tmp_path):
+    """``trainer eval --adjacency`` (``refresh_adjacency``) and ``trainer serve --watch`` (``set_adjacency``) load
+    the same snapshot over the same locally learnt rows into the same matrix."""
+    target, _, prompts = shipped
+    engine = BatchEngine(target, None, ("recycling",), Fixed("recycling", 8))
+    engine.submit(BatchRequest(prompts[0], 8))
+    while engine.busy:
+        engine.step()
+    memory = RecyclingSession(target.config.vocab_size, engine.options.recycling_width)
+    memory.adjacency = engine.recycling.adjacency.clone()
+    learnt = (memory.adjacency >= 0).any(1)
+    torch.manual_seed(0)
+    snapshot = torch.randint(0, 8192, (8192, 4))
+    version = publish(tmp_path, lambda d: save_file({"adjacency": snapshot}, str(d / "adjacency.safetensors")), {})
+    refresh_adjacency(memory, tmp_path)
+    engine.set_adjacency(load_adjacency(tmp_path / f"v{version:06d}"), version)
+    assert torch.equal(memory.adjacency, engine.recycling.adjacency)
+    assert memory.version == engine.recycling.version == version
+    assert torch.equal(memory.adjacency[~learnt], snapshot[~learnt])

@@ -127,23 +127,25 @@ def test_graft_greedy_is_lossless(shipped, greedy_references):
         assert (memory.adjacency[:, 0] >= 0).sum() > 100, "the matrix did not learn from verified nodes"
 
 
-def test_set_adjacency_overlays_newer_versions():
+def test_set_adjacency_keeps_rows_learnt_since_the_last_load():
     memory = RecyclingSession(6, width=2)
     memory.adjacency[1] = torch.tensor([2, 3])
     memory.adjacency[4] = torch.tensor([5, 0])
     published = torch.full((6, 3), -1, dtype=torch.int32)
     published[1] = torch.tensor([4, 5, -1], dtype=torch.int32)
     published[2] = torch.tensor([1, -1, -1], dtype=torch.int32)
-    assert memory.set_adjacency(published, version=3)
-    # The snapshot's rows win; a row it lacks keeps what was learnt here; its width becomes ours.
-    assert memory.adjacency.tolist() == [[-1, -1, -1], [4, 5, -1], [1, -1, -1], [-1, -1, -1], [5, 0, -1], [-1] * 3]
+    memory.set_adjacency(published, version=3)
+    # Rows learnt here since the last load are kept (padded to the snapshot's width); the snapshot fills the rest.
+    assert memory.adjacency.tolist() == [[-1, -1, -1], [2, 3, -1], [1, -1, -1], [-1, -1, -1], [5, 0, -1], [-1] * 3]
     assert memory.adjacency.dtype == torch.long and memory.version == 3
-    assert not memory.set_adjacency(torch.zeros(6, 3, dtype=torch.long), version=3)
-    assert memory.adjacency[0, 0] == -1
+    # At the next load, rows unchanged since are the snapshot's to replace.
+    memory.set_adjacency(published, version=4)
+    assert memory.adjacency.tolist() == published.tolist() and memory.version == 4
     with pytest.raises(UserError, match=r"shape \(6, k\)"):
-        memory.set_adjacency(torch.zeros(5, 3, dtype=torch.long), version=4)
+        memory.set_adjacency(torch.zeros(5, 3, dtype=torch.long), version=5)
     with pytest.raises(UserError, match="outside"):
-        memory.set_adjacency(torch.full((6, 3), 6), version=4)
+        memory.set_adjacency(torch.full((6, 3), 6), version=5)
+    assert memory.version == 4
     # Learning goes on over a loaded matrix.
     memory.commit([], None, Tree.from_lists([3], [-1]), torch.tensor([[0.1, 0.0, 0.0, 0.0, 1.0, 2.0]]))
     assert memory.adjacency[3].tolist() == [5, 4, 0]

@@ -210,3 +210,18 @@ def test_one_bad_record_among_good_ones_is_rejected_alone():
     assert [i for i, _ in got.errors] == [4, 5, 6]
     assert [e.reason for _, e in got.errors] == [expected(line) for line in lines[4:7]]
     assert len(got.steps) == 5
+
+
+@pytest.mark.parametrize("value,valid", [(4, True), (0, True), (None, True), (-1, False), (True, False), ("3", False)])
+def test_the_optional_adjacency_version_is_checked_alike_by_both_decoders(value, valid):
+    """A step record may carry the adjacency version its tree read (docs/verifier_log.md): an int >= 0 or null.
+    The reference validator and the fast path give it the same verdict and reason."""
+    record = dict(valid_step(random.Random(5)), adjacency_version=value)
+    line = json.dumps(record).encode()
+    got = decode_batch([line], V)
+    if valid:
+        assert decode(line, V)["adjacency_version"] == value and len(got.steps) == 1 and not got.errors
+    else:
+        with pytest.raises(RecordError, match="adjacency_version"):
+            decode(line, V)
+        assert [e.reason for _, e in got.errors] == [expected(line)]

@@ -1,7 +1,10 @@
 """The bandit drafter updater: verifier logs in, drafter versions out, updated only when it pays.
 
 Run it on CPU next to a log directory whose step records carry the published version as
-``drafter_version``::
+``drafter_version``. A version is judged only on the steps its drafter drafted: a step with ``drafter`` null
+(plain decoding, recycling), a ``drafter_version`` that is null or not one published here, or another drafter's
+name than the version's first steps carried does not enter any version's live τ, and ``ignored_steps`` in the
+metrics counts such steps per reason::
 
     trainer adapt bandit --logs runs/logs --drafter checkpoints/treeflash --publish runs/drafters --once
 
@@ -162,6 +165,10 @@ class BanditDaemon:
         model = load_causal_lm(str(project_path(target)), dtype, device=device)
         self.vocab_size = model.config.vocab_size
         self.state = self._load_state() or self._fresh_state(Path(drafter))
+        # Steps kept out of every live τ, per reason; per version, the drafter name its steps carry.
+        self.state.setdefault("ignored", {})
+        self.state.setdefault("drafters", {})
+        self._published: set[int] = set()
         self.drafter = self._served_drafter()
         self.options = options or update_options(self.drafter)
         self.arms = tuple(a for a in arms if a.params != "approx" or isinstance(self.drafter, TreeFlashDraftModel))
@@ -215,6 +222,8 @@ class BanditDaemon:
             "updates": 0,
             "rollbacks": 0,
             "quarantined": 0,
+            "ignored": {},
+            "drafters": {},
         }
 
     def _load_state(self) -> dict | None:
@@ -245,7 +254,12 @@ class BanditDaemon:
     def metrics(self) -> dict:
         live = self._live(self.state["version"])
         keys = ("version", "previous", "decisions", "updates", "rollbacks", "quarantined", "requests")
-        return {**{k: self.state[k] for k in keys}, "tau": live.tau if live.recent else None, "alarm": self.alarm}
+        return {
+            **{k: self.state[k] for k in keys},
+            "tau": live.tau if live.recent else None,
+            "alarm": self.alarm,
+            "ignored_steps": dict(self.state["ignored"]),
+        }
 
     def _served_drafter(self) -> torch.nn.Module:
         current = read_current(self.publish_dir)
@@ -277,10 +291,14 @@ class BanditDaemon:
                 errors.append(record)
                 continue
             if record["kind"] == "step":
-                key = str(record["drafter_version"])
-                if key not in live:
-                    live[key] = self._live(key)
-                live[key].add(step_tokens(record), step_seconds(record))
+                ignored = self._ignored(record)
+                if ignored is None:
+                    key = str(record["drafter_version"])
+                    if key not in live:
+                        live[key] = self._live(key)
+                    live[key].add(step_tokens(record), step_seconds(record))
+                else:
+                    self.state["ignored"][ignored] = self.state["ignored"].get(ignored, 0) + 1
                 self.state["serving_seconds"] += step_seconds(record)
                 self.state["served_tokens"] += step_tokens(record)
                 pending.setdefault(record["request"], []).append(record)
@@ -303,6 +321,24 @@ class BanditDaemon:
             self.state["live"][key] = value.to_json()
         self.state["replay"] = replay.to_json()
         return n
+
+    def _ignored(self, record: dict) -> str | None:
+        """Why a step record says nothing about a version's drafter, or None when it was drafted by the drafter
+        of a version published here."""
+        version = record["drafter_version"]
+        if record["drafter"] is None:
+            return "no drafter"
+        if version is None:
+            return "unversioned"
+        if type(version) is not int or not self._is_published(version):
+            return "unknown version"
+        name = self.state["drafters"].setdefault(str(version), record["drafter"])
+        return None if name == record["drafter"] else "other drafter"
+
+    def _is_published(self, version: int) -> bool:
+        if version not in self._published and version >= 1 and (self.publish_dir / f"v{version:06d}").is_dir():
+            self._published.add(version)
+        return version in self._published
 
     # ---- deciding ----------------------------------------------------------------------------------------
     def rates(self) -> Rates:

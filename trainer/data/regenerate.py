@@ -67,7 +67,7 @@ from transformers import (
 )
 
 from trainer.data.prepare import load_tokenizer
-from trainer.data.render import turn_end_marker
+from trainer.data.render import stop_token_ids, turn_end_marker
 from trainer.data.sources import LoadReport, load_chat, load_text
 from trainer.devices import parse_device, parse_dtype
 from trainer.errors import UserError
@@ -131,21 +131,11 @@ class SeededSampler(LogitsProcessor):
 
 
 def stop_tokens(tokenizer: PreTrainedTokenizerBase) -> Stops:
-    """The end-of-turn marker of the chat template as a token id, plus the end-of-text token."""
-    if not tokenizer.chat_template:
-        raise UserError(f"the tokenizer of the target ({tokenizer.name_or_path}) has no chat template")
-    marker = turn_end_marker(tokenizer)
-    marker_ids = tokenizer.encode(marker, add_special_tokens=False)
-    if len(marker_ids) != 1:
-        raise UserError(
-            f"the chat template's end-of-turn marker {marker!r} is {len(marker_ids)} tokens, not one special token; "
-            f"generation could not stop on it (tokenizer {tokenizer.name_or_path})"
-        )
-    ids = [marker_ids[0]]
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
+    """The end-of-turn marker of the chat template as a token id, plus the end-of-text token
+    (:func:`trainer.data.render.stop_token_ids`; the target's generation config is ignored, see above)."""
+    ids = stop_token_ids(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ids[-1]
-    return Stops(ids=ids, marker=marker, pad_id=pad_id)
+    return Stops(ids=ids, marker=turn_end_marker(tokenizer), pad_id=pad_id)
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, history: Sequence[dict], **template_kwargs: Any) -> list[int]:

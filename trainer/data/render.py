@@ -67,6 +67,29 @@ def _turn_end_marker(tokenizer: PreTrainedTokenizerBase, template_kwargs: tuple)
     return marker
 
 
+def end_of_text_ids(tokenizer: PreTrainedTokenizerBase, eos_token_id: int | Sequence[int] | None = None) -> list[int]:
+    """The tokenizer's end-of-text token and ``eos_token_id`` (a target's ``generation_config.eos_token_id``: an
+    id or a list of them), without repeats."""
+    extra = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    return list(dict.fromkeys(i for i in (tokenizer.eos_token_id, *extra) if i is not None))
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, eos_token_id: int | Sequence[int] | None = None) -> list[int]:
+    """The ids generation stops at: the chat template's end-of-turn marker as one token (``<|im_end|>`` for
+    Qwen3, ``<|eot_id|>`` for Llama 3), then :func:`end_of_text_ids`, without repeats. Regeneration and the server
+    both stop by it. A tokenizer without a chat template, or whose marker is not one token, is a UserError."""
+    if not tokenizer.chat_template:
+        raise UserError(f"the tokenizer {tokenizer.name_or_path} has no chat template: no end-of-turn token")
+    marker = turn_end_marker(tokenizer)
+    marker_ids = tokenizer.encode(marker, add_special_tokens=False)
+    if len(marker_ids) != 1:
+        raise UserError(
+            f"the chat template's end-of-turn marker {marker!r} is {len(marker_ids)} tokens, not one special token; "
+            f"generation could not stop on it (tokenizer {tokenizer.name_or_path})"
+        )
+    return list(dict.fromkeys([marker_ids[0], *end_of_text_ids(tokenizer, eos_token_id)]))
+
+
 def _common_prefix(a: str, b: str) -> int:
     """Length of the longest common character prefix (character-wise on purpose: spans are in characters)."""
     n = min(len(a), len(b))

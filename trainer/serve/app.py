@@ -4,6 +4,9 @@
 server-sent events with ``"stream": true``; ``GET /v1/models``, ``/health`` and ``/metrics``. Bad input gets
 a 4xx in OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``; a client that disconnects
 cancels its request, which leaves the batch before the next step. ``top_k`` is accepted as an extension.
+Every request ends: a failure of the engine while prefilling or stepping it is a 500 in the same shape (streamed:
+an error event, then ``[DONE]``), a stopped engine thread a 503. Generation stops at the chat template's
+end-of-turn token and the target's end-of-text tokens (:func:`trainer.data.render.stop_token_ids`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
+from trainer.data.render import end_of_text_ids, stop_token_ids
 from trainer.serve.worker import Identity, Worker, new_request_id, seeded_generator
 from trainer.spec.batch import BatchRequest
 from trainer.spec.verify import Sampling
@@ -100,12 +104,23 @@ class Detokenizer:
         return delta
 
 
+# Seconds between checks that the engine thread is still alive while a request waits for its tokens.
+LIVENESS_SECONDS = 1.0
+
+
+def stop_ids_of(tokenizer: PreTrainedTokenizerBase, eos_token_id: int | list[int] | None) -> frozenset[int]:
+    """What every request stops at: the chat template's end-of-turn token and the end-of-text tokens of the
+    tokenizer and of the target's generation config (``eos_token_id``); without a chat template, the latter."""
+    if tokenizer.chat_template:
+        return frozenset(stop_token_ids(tokenizer, eos_token_id))
+    return frozenset(end_of_text_ids(tokenizer, eos_token_id))
+
+
 def build_app(worker: Worker, tokenizer: PreTrainedTokenizerBase, model_name: str, limits: Limits) -> FastAPI:
     app = FastAPI(title="trainer serve")
     created = int(time.time())
-    stop_ids = frozenset(
-        i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int)
-    )
+    generation_config = getattr(worker.engine.target, "generation_config", None)
+    stop_ids = stop_ids_of(tokenizer, getattr(generation_config, "eos_token_id", None))
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -180,18 +195,30 @@ def build_app(worker: Worker, tokenizer: PreTrainedTokenizerBase, model_name: st
         return request, stops
 
     async def run(request: BatchRequest, identity: Identity) -> AsyncIterator[tuple[list[int], bool]]:
-        """Submit; yield each step's tokens; the request is cancelled when the consumer stops early."""
+        """Submit; yield each step's tokens; the request is cancelled when the consumer stops early. The engine
+        ends every request it takes (with an error when it fails); should its thread die, the wait ends too."""
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         request.on_tokens = lambda tokens, done: loop.call_soon_threadsafe(queue.put_nowait, (tokens, done))
         worker.submit(request, identity)
+        # One pending get at a time, kept across liveness checks: cancelling a get could drop a queued item.
+        getter: asyncio.Future | None = None
         try:
             while True:
-                tokens, done = await queue.get()
+                getter = getter or asyncio.ensure_future(queue.get())
+                ready, _ = await asyncio.wait({getter}, timeout=LIVENESS_SECONDS)
+                if not ready:
+                    if not worker.thread.is_alive():
+                        raise ApiError(503, "the engine thread has stopped", None, "engine_stopped")
+                    continue
+                tokens, done = getter.result()
+                getter = None
                 yield tokens, done
                 if done:
                     return
         finally:
+            if getter is not None:
+                getter.cancel()
             request.cancelled = True
 
     async def complete(body: Sampled, prompt_ids: list[int], chat: bool):
@@ -224,7 +251,7 @@ def build_app(worker: Worker, tokenizer: PreTrainedTokenizerBase, model_name: st
                     yield held, None
                     reason = "length" if request.finish_reason == "length" else "stop"
                     if request.finish_reason == "error":
-                        raise ApiError(500, worker.error or "the engine failed", None, "engine_error")
+                        raise ApiError(500, request.error or "the engine failed", None, "engine_error")
                     yield "", reason
                     return
                 ready = len(held) - keep

@@ -13,9 +13,11 @@ server had loaded when each request ended (requests are sent one at a time). The
 again by a server alone (``OUT/control``: the shipped drafter and the server's own online adjacency, no
 daemon): the outputs are the same (lossless, same seeds), so the τ columns differ only by what the daemons'
 snapshots added. ``--drafter none`` serves drafter-free recycling with the graft daemon alone (τ then measures
-the adjacency alone). Writes ``OUT/loop.md`` (the table), ``OUT/loop.json`` and ``OUT/loop.png``::
+the adjacency alone). ``--tree auto`` serves as the README's deployment setup does (the server's default: the
+controller chooses plain decoding, recycling or the drafter's DDTree every step). Writes ``OUT/loop.md`` (the
+table), ``OUT/loop.json`` and ``OUT/loop.png``::
 
-    python -m trainer.serve.loop --out runs/loop [--requests 40] [--max-tokens 48] [--drafter none]
+    python -m trainer.serve.loop --out runs/loop [--requests 40] [--max-tokens 48] [--drafter none] [--tree auto]
 """
 
 from __future__ import annotations
@@ -93,24 +95,26 @@ def run_loop(
     publish_seconds: float,
     adapt: bool = True,
     drafter: str | None = DRAFTER,
+    tree: str = "graft-dflash",
 ) -> list[Served]:
     """Serve ``requests`` stdlib prompts, wait for the daemons' first snapshots, then serve ``2 * requests``
     foreign ones. Without ``adapt``: the same stream with no daemon (the server's own online learning only).
-    ``drafter`` None: drafter-free recycling and no bandit daemon."""
+    ``drafter`` None: drafter-free recycling and no bandit daemon. ``tree`` "auto": the server's default, the
+    cost-aware controller choosing plain decoding, recycling or the drafter's DDTree every step (the README's
+    deployment setup)."""
     logs, publish_dir, drafters = out / "logs", out / "publish", out / "drafters"
     publish_dir.mkdir(parents=True, exist_ok=True)
     if drafter is not None:
         drafters.mkdir(exist_ok=True)
     stream = prompts(2 * requests)
     order = [("stdlib", p) for p in stream["stdlib"][:requests]] + [("foreign", p) for p in stream["foreign"]]
-    tree = (
-        ["--drafter", "none", "--tree", "recycling"]
-        if drafter is None
-        else ["--drafter", drafter, "--tree", "graft-dflash"]
-    )
+    if drafter is None:
+        serving = ["--drafter", "none", "--tree", "recycling"]
+    else:
+        serving = ["--drafter", drafter] + ([] if tree == "auto" else ["--tree", tree])
     watch = ["--watch", str(publish_dir)] + (["--watch", str(drafters)] if drafter is not None else [])
     server = ServerProcess(
-        [*tree, "--budget", "16", "--logs", str(logs), "--log-prefix", "loop", *(watch if adapt else [])]
+        [*serving, "--budget", "16", "--logs", str(logs), "--log-prefix", "loop", *(watch if adapt else [])]
     )
     target = str(project_path("checkpoints/target_tiny"))
     # Per daemon: its output file and the server's gauge of the version it published.
@@ -249,15 +253,16 @@ def main() -> None:
     p.add_argument("--publish-seconds", type=float, default=5.0)
     p.add_argument("--window", type=int, default=10)
     p.add_argument("--drafter", default=DRAFTER, help="the served drafter the bandit updates; 'none': recycling alone")
+    p.add_argument("--tree", default="graft-dflash", help="the server's --tree: graft-dflash, or auto (the controller)")
     p.add_argument("--no-control", action="store_true", help="skip serving the stream again without the daemons")
     args = p.parse_args()
     start = time.time()
     drafter = None if args.drafter == "none" else args.drafter
     run = (args.requests, args.max_tokens, args.temperature, args.publish_seconds)
-    served = run_loop(args.out / "loop", *run, drafter=drafter)
+    served = run_loop(args.out / "loop", *run, drafter=drafter, tree=args.tree)
     control = None
     if not args.no_control:
-        control = run_loop(args.out / "control", *run, adapt=False, drafter=drafter)
+        control = run_loop(args.out / "control", *run, adapt=False, drafter=drafter, tree=args.tree)
     rows = write_report(args.out, served, args.window, control)
     print((args.out / "loop.md").read_text())
     foreign = [r for r in rows if r["domain"] == "foreign"]

@@ -7,7 +7,10 @@
 - ``trainer_quarantined_snapshots_total`` and ``trainer_last_reload_error``: snapshots that failed to load;
 - ``trainer_steps_total{arm}``: steps per controller arm (``tree@budget``), ``trainer_arm_tau{arm}``: the
   controller's τ estimate per arm; ``trainer_tokens_total``;
-  ``trainer_requests_total{status}``; ``trainer_engine_errors_total``.
+  ``trainer_requests_total{status}``;
+- ``trainer_engine_errors_total{phase}``: engine failures by phase, ``prefill``, ``step`` or ``bookkeeping``
+  (the engine loop's other work); their requests ended with a 5xx error and the server serves on. Counted apart
+  from quarantined snapshots.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ class Metrics:
         self.steps = Counter("trainer_steps", "engine steps per controller arm", ["arm"], registry=r)
         self.tokens = Counter("trainer_tokens", "tokens committed", registry=r)
         self.requests = Counter("trainer_requests", "requests by status", ["status"], registry=r)
-        self.engine_errors = Counter("trainer_engine_errors", "engine steps that failed", registry=r)
+        self.engine_errors = Counter(
+            "trainer_engine_errors", "engine prefills and steps that failed, per phase", ["phase"], registry=r
+        )
         self._tau: float | None = None
         self._rate: float | None = None
 

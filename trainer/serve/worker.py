@@ -4,7 +4,14 @@ Requests are submitted from the server's event loop and get their tokens back th
 callback (called on this thread). A snapshot directory named by ``--watch`` is looked at every
 ``reload_seconds``: a new version holding ``adjacency.safetensors`` replaces the recycling adjacency, one
 holding a drafter's HF export (``config.json``) replaces the drafter for requests that join afterwards. A
-version that fails to load is counted as quarantined and the old one stays in use. On CPU::
+version that fails to load is counted as quarantined and the old one stays in use.
+
+A step record names the drafter and the version that drafted it: the version a request was admitted with (its
+sessions stay the ones that drafter made, whatever is published later), and null for both on a drafter-free
+step (plain decoding, recycling); a step that read the shared adjacency (recycling, Graft) carries the
+adjacency version in use as ``adjacency_version``. A failed prefill or step ends the requests it touched with an
+error (``BatchRequest.error``), counted in ``trainer_engine_errors_total{phase}``, apart from quarantined
+snapshots. On CPU::
 
     python -c "from trainer.serve.worker import Worker; help(Worker)"
 """
@@ -24,8 +31,8 @@ from trainer.adapt.publish import ADJACENCY, load_adjacency, read_current
 from trainer.serve.metrics import Metrics
 from trainer.spec.batch import BatchEngine, BatchRequest, RowStep
 from trainer.spec.controller import Controller
-from trainer.spec.drafting import load_drafter
-from trainer.spec.engine import make_session
+from trainer.spec.drafting import GraftSession, RecyclingSession, load_drafter
+from trainer.spec.engine import BUILDERS, make_session
 from trainer.vlog.recorder import StepRecorder
 from trainer.vlog.schema import MIN_TOPK
 from trainer.vlog.writer import LogWriter
@@ -69,7 +76,7 @@ class Worker:
         self.server = server
         self.drafter_name = drafter_name
         self.neural_tree = neural_tree
-        self.drafter_version: int | None = None
+        # The published adjacency version in use (None: none loaded yet).
         self.adjacency_version: int | None = None
         self.writer = writer
         self.watched = [Watched(Path(d)) for d in watch]
@@ -77,11 +84,11 @@ class Worker:
         self.identities: dict[int, Identity] = {}
         self.wake = threading.Event()
         self.stopping = False
-        self.error: str | None = None
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._last_reload = 0.0
         if isinstance(engine.policy, Controller):
             metrics.watch_taus(engine.policy.taus)
+        engine.on_failure = self._on_failure
         if writer is not None:
             engine.on_step = self._on_step
             # Request records carry the prompt's top-k: the graft daemon's evidence for prompt positions.
@@ -123,11 +130,8 @@ class Worker:
             start = time.perf_counter()
             try:
                 events = self.engine.step()
-            except Exception as e:  # a failed step fails its requests, never the server
-                self.error = f"engine step failed: {type(e).__name__}: {e}"
-                LOG.exception("engine step failed; its requests end with an error")
-                self.metrics.engine_errors.inc()
-                self.engine.abort("error")
+            except Exception as e:  # the engine ends a failed prefill's or step's requests itself; this is the rest
+                self.engine.abort("bookkeeping", e)
                 continue
             self.metrics.batch_size.set(len(self.engine.rows))
             if not events:
@@ -136,7 +140,13 @@ class Worker:
                 continue
             self.metrics.observe_step(events, time.perf_counter() - start)
 
-    def _recorder(self, identity: Identity, drafter: str | None, version: int | None) -> StepRecorder:
+    def _on_failure(self, phase: str, requests: list, error: BaseException) -> None:
+        LOG.error("engine %s failed; %d requests end with an error", phase, len(requests), exc_info=error)
+        self.metrics.engine_errors.labels(phase).inc()
+
+    def _recorder(
+        self, identity: Identity, drafter: str | None, version: int | None, adjacency: int | None = None
+    ) -> StepRecorder:
         return StepRecorder(
             self.writer,
             server=self.server,
@@ -145,14 +155,18 @@ class Worker:
             shareable=identity.shareable,
             drafter=drafter,
             drafter_version=version,
+            adjacency_version=adjacency,
         )
 
     def _on_step(self, row: RowStep) -> None:
-        # Versions change between steps (hot reload), so each step gets its recorder.
+        # Versions change between steps (hot reload), so each step gets its recorder. The drafter's version is
+        # the request's own (its sessions were made by the drafter of that version), never the one loaded now.
         neural = row.event.builder == self.neural_tree
         drafter = self.drafter_name if neural else None
-        version = self.drafter_version if neural else self.adjacency_version
-        self._recorder(self.identities[id(row.request)], drafter, version)(row.event)
+        version = row.request.drafter_version if neural else None
+        reads_adjacency = BUILDERS[row.event.builder].session in (RecyclingSession, GraftSession)
+        adjacency = self.adjacency_version if reads_adjacency else None
+        self._recorder(self.identities[id(row.request)], drafter, version, adjacency)(row.event)
 
     def _on_finish(self, request: BatchRequest) -> None:
         identity = self.identities.pop(id(request))
@@ -184,13 +198,13 @@ class Worker:
             watched.version = version
 
     def _quarantine(self, watched: Watched, version: int, reason: str) -> None:
+        LOG.warning("snapshot quarantined (the version in use stays): %s", reason)
         self.metrics.quarantined.inc()
         self.metrics.last_reload_error.info({"directory": str(watched.directory), "reason": reason[:500]})
-        self.error = reason
 
     def _load(self, path: Path, version: int) -> None:
         if (path / ADJACENCY).is_file():
-            self.engine.set_adjacency(load_adjacency(path))
+            self.engine.set_adjacency(load_adjacency(path), version)
             self.adjacency_version = version
             self.metrics.adjacency_version.set(version)
         elif (path / "config.json").is_file():
@@ -198,8 +212,7 @@ class Worker:
             if self.neural_tree is not None:
                 # Fails (UserError) when this drafter cannot serve the configured builder.
                 make_session(self.neural_tree, self.engine.target, drafter, self.engine.options)
-            self.engine.set_drafter(drafter)
-            self.drafter_version = version
+            self.engine.set_drafter(drafter, version)
             self.metrics.drafter_version.set(version)
         else:
             raise ValueError(f"{path} holds neither {ADJACENCY} nor a drafter's config.json")

@@ -81,11 +81,16 @@ class BatchRequest:
     finished: bool = False
     # Set from any thread; the engine drops the request before its next step.
     cancelled: bool = False
-    # Why it finished: "stop" (a stop token), "length" (max_new_tokens), "cancelled", or "error" (see abort).
+    # Why it finished: "stop" (a stop token), "length" (max_new_tokens), "cancelled", or "error" (``error``
+    # says what failed).
     finish_reason: str | None = None
+    error: str | None = None
     # Positions of this request in the target's cache (prompt + committed tokens before the last).
     past_len: int = 0
     sessions: dict[type, DraftSession] = field(default_factory=dict)
+    # The engine's drafter version when the request got its drafter's sessions (``BatchEngine.set_drafter``):
+    # what drafts its steps for its whole life; None without a drafter's session or version.
+    drafter_version: int | None = None
     # Shape: (P, k): the target's top-k ids after every prompt position (``BatchEngine.prefill_topk``), or None.
     prefill_topk: torch.Tensor | None = None
 
@@ -274,6 +279,7 @@ class BatchEngine:
     ) -> None:
         self.target = target
         self.drafter = drafter
+        self.drafter_version: int | None = None
         self.trees = tuple(dict.fromkeys(("none", *trees)))
         self.policy = policy
         self.options = options
@@ -287,12 +293,17 @@ class BatchEngine:
         self.cache_kw = _cache_kwarg(target)
         # One adjacency for all requests: it keeps learning across them.
         self.recycling = RecyclingSession(target.config.vocab_size, options.recycling_width, device=self.device)
-        # The adjacency as last loaded (empty at start): rows that differ from it were learnt here since.
-        self._loaded_adjacency = self.recycling.adjacency.clone()
         self.rows: list[BatchRequest] = []
         self.cache = RaggedCache(target.config)
         self.pending: queue.SimpleQueue[BatchRequest] = queue.SimpleQueue()
         self.steps = 0
+        # Called as ``fault(phase, requests)`` before each prefill ("prefill", [request]) and each step ("step",
+        # the batch's rows). Whatever it raises is handled as a failure of that phase: the seam through which
+        # tests inject engine failures.
+        self.fault: Callable[[str, list[BatchRequest]], None] | None = None
+        # Called as ``on_failure(phase, requests, error)`` after a failed prefill or step has ended ``requests``
+        # with finish reason "error" (the server counts and logs it).
+        self.on_failure: Callable[[str, list[BatchRequest], BaseException], None] | None = None
 
     @property
     def busy(self) -> bool:
@@ -302,32 +313,18 @@ class BatchEngine:
         """Queue a request; thread-safe. It joins the batch before the next step."""
         self.pending.put(request)
 
-    def set_drafter(self, drafter: torch.nn.Module | None) -> None:
-        """A new drafter for requests that join from now on (requests in flight keep their sessions). Call
-        between steps."""
+    def set_drafter(self, drafter: torch.nn.Module | None, version: int | None = None) -> None:
+        """A new drafter (published as ``version``) for requests that join from now on: requests in flight keep
+        their sessions and the version they were admitted with (``BatchRequest.drafter_version``). Call between
+        steps."""
         self.drafter = drafter
+        self.drafter_version = version
 
-    def set_adjacency(self, adjacency: torch.Tensor) -> None:
-        """Load a published recycling adjacency (V, k) token ids, -1 = empty. Call between steps; a wrong shape
-        or id is a ValueError and changes nothing.
-
-        Rows the server itself rewrote since the previous load (from the prompts and trees of the requests it
-        is serving) are newer evidence than any snapshot, which a daemon built from older logs: they are kept,
-        and the snapshot fills every other row. The server keeps learning from there."""
-        current = self.recycling.adjacency
-        vocab = current.shape[0]
-        if adjacency.dim() != 2 or adjacency.shape[0] != vocab or adjacency.shape[1] < 1:
-            raise ValueError(f"adjacency of shape {tuple(adjacency.shape)}; this target needs ({vocab}, k)")
-        if adjacency.dtype not in (torch.int32, torch.int64) or adjacency.min() < -1 or adjacency.max() >= vocab:
-            raise ValueError(f"adjacency must hold token ids in [-1, {vocab}) as int32/int64")
-        # A copy: the engine learns into its adjacency in place, and the caller's tensor stays the snapshot.
-        merged = adjacency.to(device=self.device, dtype=torch.long, copy=True)
-        local = (current != self._loaded_adjacency).any(1)
-        width = min(merged.shape[1], current.shape[1])
-        merged[local] = -1
-        merged[local, :width] = current[local, :width]
-        self.recycling.adjacency = merged
-        self._loaded_adjacency = merged.clone()
+    def set_adjacency(self, adjacency: torch.Tensor, version: int | None = None) -> None:
+        """Load a published recycling adjacency (V, k) token ids, -1 = empty, by the one merge rule
+        (:meth:`~trainer.spec.drafting.RecyclingSession.set_adjacency`). Call between steps; a wrong shape or id
+        is a UserError and changes nothing."""
+        self.recycling.set_adjacency(adjacency, version)
 
     def _sessions(self) -> dict[type, DraftSession]:
         sessions: dict[type, DraftSession] = {}
@@ -341,9 +338,20 @@ class BatchEngine:
                 sessions[kind] = DraftSession()
             elif self.policy.ready(tree):
                 # A Graft session grafts from the engine's one adjacency: what every request learns and what a
-                # daemon publishes (``set_adjacency``), not from an empty matrix of its own.
+                # daemon publishes (``set_adjacency``), not from an empty matrix of its own. The engine teaches
+                # that adjacency once per prompt and step (``_learns_adjacency``), so the session does not.
                 sessions[kind] = make_session(tree, self.target, self.drafter, self.options, self.recycling)
+                if isinstance(sessions[kind], GraftSession):
+                    sessions[kind].learns_memory = False
         return sessions
+
+    def _learns_adjacency(self, request: BatchRequest) -> bool:
+        """Whether one of the request's sessions reads the shared adjacency (recycling or a Graft session's
+        memory): the engine then teaches it the request's prompt and verified nodes, once."""
+        return any(
+            s is self.recycling or (isinstance(s, GraftSession) and s.memory is self.recycling)
+            for s in request.sessions.values()
+        )
 
     @staticmethod
     def _draft_blocks(rows: list[BatchRequest], kind: type[DraftSession], budget: int) -> None:
@@ -377,7 +385,11 @@ class BatchEngine:
 
     def _prefill(self, request: BatchRequest) -> DynamicCache | None:
         """Prefill alone; the request's one-row cache, or None when it already finished."""
+        if self.fault is not None:
+            self.fault("prefill", [request])
         request.sessions = self._sessions()
+        if any(kind not in (DraftSession, RecyclingSession) for kind in request.sessions):
+            request.drafter_version = self.drafter_version
         sessions = list(request.sessions.values())
         speculating = self.policy.speculating()
         layer_ids = tuple(sorted({i for s in sessions for i in s.layer_ids}))
@@ -395,10 +407,12 @@ class BatchEngine:
             request.prefill_topk = logits.topk(min(self.prefill_topk, logits.shape[-1]), dim=-1).indices
         request.tokens = [request.sampling.next_token(logits[-1], request.generator)]
         for session in sessions:
-            # The shared adjacency learns a prompt, as it learns a plain step's nodes, only while the policy may
-            # soon draft: a top-k per admitted prompt is otherwise work for nothing.
-            if session is not self.recycling or speculating:
+            if session is not self.recycling:
                 session.start(prompt, layer_features(states, session.layer_ids, (0,)), logits)
+        # The shared adjacency learns a prompt, as it learns a plain step's nodes, only while the policy may soon
+        # draft: a top-k per admitted prompt is otherwise work for nothing.
+        if speculating and self._learns_adjacency(request):
+            self.recycling.start(prompt, None, logits)
         request.past_len = prompt.numel()
         if request.on_tokens is not None:
             request.on_tokens(list(request.tokens), False)
@@ -422,20 +436,32 @@ class BatchEngine:
             if request.cancelled:
                 self._finish(request, "cancelled")
                 continue
-            row = self._prefill(request)
+            try:
+                row = self._prefill(request)
+                if row is not None:
+                    self.cache.join(row, request.past_len)
+            except Exception as e:  # a failed prefill ends its request; the batch and the queue go on
+                self._fail("prefill", [request], e)
+                continue
             if row is not None:
-                self.cache.join(row, request.past_len)
                 self.rows.append(request)
 
-    def abort(self, reason: str) -> None:
-        """Finish every active and waiting request with ``reason`` and empty the batch (after a failed step)."""
-        for request in self.rows:
+    def _fail(self, phase: str, requests: list[BatchRequest], error: BaseException) -> None:
+        """End ``requests`` with finish reason "error" after ``phase`` raised ``error``; tell ``on_failure``."""
+        message = f"engine {phase} failed: {type(error).__name__}: {error}"
+        for request in requests:
             if not request.finished:
-                self._finish(request, reason)
-        while not self.pending.empty():
-            self._finish(self.pending.get(), reason)
-        self.rows = []
+                request.error = message
+                self._finish(request, "error")
+        if self.on_failure is not None:
+            self.on_failure(phase, requests, error)
+
+    def abort(self, phase: str, error: BaseException) -> None:
+        """End every request in the batch with an error and empty it (its cache may be torn: a forward that raised
+        mid-way has appended to some layers). Waiting requests stay queued."""
+        rows, self.rows = self.rows, []
         self.cache = RaggedCache(self.target.config)
+        self._fail(phase, rows, error)
 
     def _drop(self) -> None:
         """Remove finished and cancelled rows."""
@@ -454,7 +480,13 @@ class BatchEngine:
         self._admit()
         if not self.rows:
             return []
-        return self._step()
+        try:
+            if self.fault is not None:
+                self.fault("step", list(self.rows))
+            return self._step()
+        except Exception as e:  # a failed step ends the batch's requests; the engine serves the next ones
+            self.abort("step", e)
+            return []
 
     def _step(self) -> list[RowStep]:
         start = time.perf_counter()
@@ -537,9 +569,7 @@ class BatchEngine:
                 request.tokens.extend(new)
             # Seconds of this step spent keeping drafting state ready rather than decoding (see ``observe`` below).
             readiness = 0.0
-            if (tree_name != "none" or self.policy.speculating()) and any(
-                self.recycling in r.sessions.values() for r in rows
-            ):
+            if (tree_name != "none" or self.policy.speculating()) and any(self._learns_adjacency(r) for r in rows):
                 # The shared adjacency learns every row's verified nodes in one call, rows in order (what one
                 # call per row would leave). Shape: nodes (B, T) bool, the real nodes of each row. On a plain
                 # step only while the policy may soon draft (``Policy.speculating``): a top-k per row per step is

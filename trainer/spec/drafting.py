@@ -265,32 +265,38 @@ class RecyclingSession(DraftSession):
         super().__init__()
         # Shape: (V, width); -1 = no successor seen yet.
         self.adjacency = torch.full((vocab_size, width), -1, dtype=torch.long, device=device)
+        # The matrix as last loaded (empty at start): rows that differ from it were learnt here since.
+        self._loaded = self.adjacency.clone()
         # The published snapshot the matrix was last loaded from (None: learnt in this process only).
         self.version: int | None = None
 
-    def set_adjacency(self, adjacency: torch.Tensor, version: int) -> bool:
-        """Hot-reload a published matrix (Shape: (V, k) ids, -1 empty) between steps; False if ``version`` is not
-        newer than the loaded one. The snapshot's non-empty rows replace ours; rows it lacks keep what this
-        process learnt since. Its width becomes ours (the retrieval template follows ``adjacency.shape[1]``)."""
-        if self.version is not None and version <= self.version:
-            return False
+    def set_adjacency(self, adjacency: torch.Tensor, version: int | None = None) -> None:
+        """Load a published matrix (Shape: (V, k) ids, -1 empty) between steps: the one rule by which a server
+        (``trainer serve --watch``) and ``trainer eval --adjacency`` merge a snapshot.
+
+        Rows this process rewrote since the previous load (from the prompts and trees it served) are newer
+        evidence than any snapshot, which a daemon built from older logs: they are kept (cut or padded with -1 to
+        the snapshot's width), and the snapshot fills every other row. Its width becomes ours (the retrieval
+        template follows ``adjacency.shape[1]``). A wrong shape or id is a UserError and changes nothing."""
         vocab_size = self.adjacency.shape[0]
-        if adjacency.dim() != 2 or adjacency.shape[0] != vocab_size or adjacency.is_floating_point():
+        if adjacency.dim() != 2 or adjacency.shape[0] != vocab_size or adjacency.shape[1] < 1:
             raise UserError(
                 f"adjacency version {version}: expected integer ids of shape ({vocab_size}, k), "
                 f"got {adjacency.dtype} {tuple(adjacency.shape)}"
             )
-        new = adjacency.to(device=self.adjacency.device, dtype=torch.long)
-        if new.numel() and (int(new.max()) >= vocab_size or int(new.min()) < -1):
+        if adjacency.dtype not in (torch.int32, torch.int64):
+            raise UserError(f"adjacency version {version}: expected int32/int64 token ids, got {adjacency.dtype}")
+        if adjacency.numel() and (int(adjacency.max()) >= vocab_size or int(adjacency.min()) < -1):
             raise UserError(f"adjacency version {version}: token ids outside [-1, {vocab_size})")
-        width = new.shape[1]
-        local = self.adjacency[:, :width]
-        if local.shape[1] < width:
-            local = F.pad(local, (0, width - local.shape[1]), value=-1)
-        empty = (new < 0).all(-1, keepdim=True)
-        self.adjacency = torch.where(empty, local, new)
+        # A copy: learning writes the matrix in place, and the caller's tensor stays the snapshot.
+        merged = adjacency.to(device=self.adjacency.device, dtype=torch.long, copy=True)
+        local = (self.adjacency != self._loaded).any(1)
+        width = min(merged.shape[1], self.adjacency.shape[1])
+        merged[local] = -1
+        merged[local, :width] = self.adjacency[local, :width]
+        self.adjacency = merged
+        self._loaded = merged.clone()
         self.version = version
-        return True
 
     def learn(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """``adjacency[tokens[i]] = top-width(logits[i])``; a token seen twice keeps its last row, so learning
@@ -325,6 +331,9 @@ class GraftSession(DraftSession):
     def __init__(self, draft: ContextSession, memory: RecyclingSession) -> None:
         self.draft = draft
         self.memory = memory
+        # False when the owner of a shared ``memory`` teaches it every prompt and verified node itself (the batch
+        # engine, once per step for all its rows): learning here too would do it twice.
+        self.learns_memory = True
         self.layer_ids = draft.layer_ids
         # Per pruning stage (the checkpoints, then "not pruned"), how many steps ended there.
         self.stages: dict[int, int] = {}
@@ -337,17 +346,19 @@ class GraftSession(DraftSession):
     def adjacency(self) -> torch.Tensor:
         return self.memory.adjacency
 
-    def set_adjacency(self, adjacency: torch.Tensor, version: int) -> bool:
+    def set_adjacency(self, adjacency: torch.Tensor, version: int | None = None) -> None:
         """Hot-reload a published ``M`` between steps (:meth:`RecyclingSession.set_adjacency`)."""
-        return self.memory.set_adjacency(adjacency, version)
+        self.memory.set_adjacency(adjacency, version)
 
     def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
         self.draft.start(prompt, features, logits)
-        self.memory.start(prompt, features, logits)
+        if self.learns_memory:
+            self.memory.start(prompt, features, logits)
 
     def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:
         self.draft.commit(tokens, features, tree, logits)
-        self.memory.commit(tokens, features, tree, logits)
+        if self.learns_memory:
+            self.memory.commit(tokens, features, tree, logits)
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

@@ -29,7 +29,16 @@ from typing import NamedTuple
 import numpy as np
 import simdjson
 
-from trainer.vlog.schema import FIELD_TYPES, LOGPROB_SLACK, MIN_TOPK, PHASES, VERSION, RecordError, decode
+from trainer.vlog.schema import (
+    FIELD_TYPES,
+    LOGPROB_SLACK,
+    MIN_TOPK,
+    OPTIONAL_STEP_TYPES,
+    PHASES,
+    VERSION,
+    RecordError,
+    decode,
+)
 
 # The step record's fields other than its five lists.
 _HEAD = tuple(FIELD_TYPES)
@@ -316,6 +325,15 @@ class BatchDecoder:
         return columns.select(good), [parsed[i].index for i in np.flatnonzero(bad)]
 
 
+def _optional_valid(doc: object) -> bool:
+    """The checks of ``validate`` on the optional step fields (``schema.OPTIONAL_STEP_TYPES``) present."""
+    for name in OPTIONAL_STEP_TYPES:
+        value = doc.get(name)
+        if value is not None and (type(value) is not int or value < 0):
+            return False
+    return True
+
+
 def _fields(index: int, line: bytes, doc: object, vocab_size: int) -> _Line | None:
     Array, Object = simdjson.Array, simdjson.Object
     if type(doc) is not Object or doc.get("kind") != "step":
@@ -334,6 +352,8 @@ def _fields(index: int, line: bytes, doc: object, vocab_size: int) -> _Line | No
         return None
     del ms
     if not _head_valid(values, vocab_size):
+        return None
+    if len(doc) != _FIELDS and not _optional_valid(doc):
         return None
     budget = values[_BUDGET]
     tokens, parents, accepted = doc["tokens"], doc["parents"], doc["accepted"]

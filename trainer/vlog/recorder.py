@@ -68,11 +68,13 @@ class StepRecorder:
         drafter: str | None,
         drafter_version: str | int | None,
         k: int = MIN_TOPK,
+        adjacency_version: int | None = None,
     ) -> None:
         self.writer = writer
         self.identity = {"server": server, "request": request, "tenant": tenant, "shareable": shareable}
         self.drafter = drafter
         self.drafter_version = drafter_version
+        self.adjacency_version = adjacency_version
         self.k = k
 
     def __call__(self, event: StepEvent) -> None:
@@ -110,6 +112,7 @@ class StepRecorder:
             topk_ids=ids.cpu().numpy(),
             topk_logprobs=np.round(logprobs.cpu().numpy().astype(np.float64), LOGPROB_DECIMALS),
             ms=event.ms,
+            adjacency_version=self.adjacency_version,
         )
 
     def finish(self, prompt_ids: list[int], output_ids: list[int], prefill_topk: torch.Tensor | None = None) -> None:

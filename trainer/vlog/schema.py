@@ -52,6 +52,8 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "bonus": (int,),
     "ms": (dict,),
 }
+# Optional step record fields: checked when present (an absent one is null).
+OPTIONAL_STEP_TYPES: dict[str, tuple[type, ...]] = {"adjacency_version": (int, NoneType)}
 
 
 class RecordError(ValueError):
@@ -91,7 +93,7 @@ def _require(record: dict, name: str, kinds: tuple[type, ...]) -> object:
 
 
 def _count(record: dict, name: str) -> int:
-    value = _require(record, name, FIELD_TYPES[name])
+    value = _require(record, name, FIELD_TYPES.get(name) or OPTIONAL_STEP_TYPES[name])
     if value < 0:
         raise RecordError(f"field {name!r} must be >= 0, got {_show(value)}")
     return value
@@ -171,6 +173,8 @@ def _step_scalars(record: dict, vocab_size: int | None) -> int:
     _count(record, "step")
     for name in ("drafter", "drafter_version", "tree"):
         _require(record, name, FIELD_TYPES[name])
+    if record.get("adjacency_version") is not None:
+        _count(record, "adjacency_version")
     budget = _count(record, "budget")
     _count(record, "pos")
     _token(record, "root", vocab_size)
@@ -281,7 +285,8 @@ def _request(record: dict, vocab_size: int | None) -> None:
 
 def validate(obj: object, vocab_size: int | None = None) -> dict:
     """``obj`` when it is a valid v1 record, else ``RecordError`` with the reason. Token ids are checked
-    against ``vocab_size`` when given. Fields beyond the v1 set are allowed and left alone."""
+    against ``vocab_size`` when given. A step record's optional ``adjacency_version`` is an int >= 0 or null when
+    present; other fields beyond the v1 set are allowed and left alone."""
     if type(obj) is not dict:
         raise RecordError(f"a record is a JSON object, got {type(obj).__name__}")
     _version(obj)
@@ -347,10 +352,12 @@ def step_record(
     topk_ids: list[list[int]] | np.ndarray,
     topk_logprobs: list[list[float]] | np.ndarray,
     ms: dict[str, float],
+    adjacency_version: int | None = None,
 ) -> dict:
     """A step record with the v1 field names; ``validate`` it (the writer does) before trusting it. The tree
-    lists may be numpy arrays (1-d, and (N + 1, k) for the top-k), which the writer encodes as JSON lists."""
-    return {
+    lists may be numpy arrays (1-d, and (N + 1, k) for the top-k), which the writer encodes as JSON lists.
+    ``adjacency_version`` is left out when not given."""
+    record = {
         "v": VERSION,
         "kind": "step",
         "server": server,
@@ -372,6 +379,9 @@ def step_record(
         "topk_logprobs": topk_logprobs,
         "ms": ms,
     }
+    if adjacency_version is not None:
+        record["adjacency_version"] = adjacency_version
+    return record
 
 
 def request_record(
