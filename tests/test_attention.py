@@ -5,6 +5,8 @@ through torch's own eager reference of the flex attention operator (the one the 
 against), given the block masks the drafters build.
 """
 
+import copy
+
 import pytest
 import torch
 import yaml
@@ -14,13 +16,15 @@ from trainer.cli import main
 from trainer.drafters import attention
 from trainer.drafters.attention import block_rule, describe_4b, mask_bytes, resolve_path, window_rule
 from trainer.drafters.common import SdpaDrafter
+from trainer.drafters.dflash import DFlashDraftModel
 from trainer.errors import UserError
 from trainer.paths import project_path
 from trainer.spec.drafting import load_drafter
 from trainer.target import Target, load_causal_lm
 from trainer.training.step import context_batch, default_options, step_loss, target_layer_ids
 
-FAMILIES = ("dflash_tiny", "treeflash_tiny", "specblock_tiny", "eagle3_tiny")
+# "+sliding": the shipped DFlash backbone with its first layer a sliding-window one (window 8).
+FAMILIES = ("dflash_tiny", "dflash_tiny+sliding", "treeflash_tiny", "specblock_tiny", "eagle3_tiny")
 
 
 def set_path(drafter: torch.nn.Module, path: str) -> None:
@@ -55,7 +59,13 @@ def batch_of(vocab: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_flex_loss_and_gradients_equal_dense(name, target_model, monkeypatch):
-    drafter = load_drafter(project_path(f"checkpoints/{name}")).train()
+    drafter = load_drafter(project_path(f"checkpoints/{name.removesuffix('+sliding')}")).train()
+    if name.endswith("+sliding"):
+        config = copy.deepcopy(drafter.config)
+        config.update({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8})
+        sliding = DFlashDraftModel(config).train()
+        sliding.load_state_dict(drafter.state_dict())
+        drafter = sliding
     target = Target(target_model, target_layer_ids(drafter))
     batch = batch_of(target_model.config.vocab_size)
     options = default_options(drafter)

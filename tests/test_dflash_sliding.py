@@ -152,6 +152,11 @@ def test_checkpoint_and_speculators_round_trips_keep_the_layout(drafter, target_
     for name, value in load_file(out / "model.safetensors").items():
         assert torch.equal(back.state_dict()[name], value)
 
+    # The treeflash format's model file has no windows: refused, and nothing is left behind.
+    with pytest.raises(UserError, match="sliding-window layers"):
+        write_export(drafter, "treeflash", tmp_path / "tf")
+    assert not (tmp_path / "tf").exists()
+
     # A layout whose sliding layers are bidirectional in the block is one this class does not compute.
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "sliding_window_non_causal": True}))

@@ -9,8 +9,8 @@ per-row tensors. A rule runs one of two ways (:data:`AttentionPath`):
 - ``dense``: the predicate evaluated on the full index grid, an additive float mask given to SDPA (the
   reference: every kernel on every device; the mask's memory grows with queries x keys);
 - ``flex``: a block mask of the same predicate (``torch.nn.attention.flex_attention.create_block_mask``: two
-  int32 entries per 128 x 128 tile) and ``flex_attention``, compiled on CUDA, which skips empty tiles and never
-  builds the mask.
+  int32 entries per 128 x 128 tile; the boolean grid exists only while it is built) and ``flex_attention``,
+  compiled on CUDA, which skips empty tiles and evaluates the predicate inside partial ones.
 
 ``auto`` (the default) is ``flex`` on CUDA and ``dense`` elsewhere: torch's flex attention has no backward on
 CPU, and uncompiled it materialises the scores anyway. Decoding passes small explicit masks (or none) and
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch.nn import functional as F
@@ -35,7 +35,7 @@ from trainer.errors import UserError
 from trainer.masks import additive_mask
 
 AttentionPath = Literal["auto", "flex", "dense"]
-ATTENTION_PATHS: tuple[str, ...] = ("auto", "flex", "dense")
+ATTENTION_PATHS: tuple[str, ...] = get_args(AttentionPath)
 
 # (batch, query, key) index tensors → bool "may attend". Under flex each is a 0-d tensor (vmapped); densely
 # they broadcast to (B, Q, KV). Per-row tensors are read by indexing, so both evaluations share one body.
@@ -82,8 +82,8 @@ class MaskRule:
     def block_mask(self) -> BlockMask:
         """The flex attention block mask of the predicate (shared by every head)."""
         predicate = self.predicate
-        # Built uncompiled, from the full (Q, KV) grid of the predicate: compiling create_block_mask took minutes
-        # on an H200 at dflash_qwen3_4b's shapes (and again per new shape) to save ~4 ms of a 120 ms step.
+        # Built uncompiled, from the full (Q, KV) grid of the predicate: on an H200, compiling create_block_mask
+        # took ~3 minutes at dflash_qwen3_4b's shapes (and ~10 s per new shape) to save ~4 ms of a 120 ms step.
         return create_block_mask(
             lambda b, h, q, k: predicate(b, q, k), self.batch, None, self.q_len, self.kv_len, device=self.device
         )

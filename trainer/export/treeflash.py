@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
+from trainer.errors import UserError
 from trainer.export import modeling_treeflash
 
 ACCEPTS = (TreeFlashDraftModel, DFlashDraftModel)
@@ -28,6 +29,12 @@ AUTO_MAP = {"AutoModel": f"{Path(MODEL_FILE).stem}.TreeFlashDraftModel"}
 def write(drafter: PreTrainedModel, out: Path, verifier: str | None) -> None:
     if isinstance(drafter, DFlashDraftModel):
         drafter = TreeFlashDraftModel.from_dflash(drafter).to(drafter.dtype)
+    if "sliding_attention" in drafter.model.layer_types:
+        # The shipped model file computes full-attention layers only: it would drop the window silently.
+        raise UserError(
+            f"--format treeflash cannot hold sliding-window layers (layer_types={drafter.model.layer_types}); "
+            "export the DFlash backbone as dflash or speculators"
+        )
     drafter.save_pretrained(out)
     shutil.copyfile(modeling_treeflash.__file__, out / MODEL_FILE)
     config_file = out / "config.json"
