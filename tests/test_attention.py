@@ -14,7 +14,14 @@ from torch._higher_order_ops.flex_attention import flex_attention as flex_attent
 
 from trainer.cli import main
 from trainer.drafters import attention
-from trainer.drafters.attention import block_rule, describe_4b, mask_bytes, resolve_path, window_rule
+from trainer.drafters.attention import (
+    block_rule,
+    dense_attention,
+    describe_4b,
+    mask_bytes,
+    resolve_path,
+    window_rule,
+)
 from trainer.drafters.common import SdpaDrafter
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.errors import UserError
@@ -126,6 +133,13 @@ def test_paths_resolve_and_mask_sizes_at_the_4b_recipe():
     assert resolve_path("auto", torch.device("cuda")) == "flex"
     with pytest.raises(UserError, match="auto, flex, dense"):
         resolve_path("sparse", torch.device("cpu"))
+    # A FLOP-counting step runs densely whatever the path; outside the block the path is back.
+    with dense_attention():
+        assert resolve_path("flex", torch.device("cuda")) == "dense"
+        with dense_attention():
+            pass
+        assert resolve_path("auto", torch.device("cuda")) == "dense"
+    assert resolve_path("flex", torch.device("cuda")) == "flex"
     assert mask_bytes(None) == 0
     # dflash_qwen3_4b: 512 blocks of 16 over 3072 tokens; a float32 mask of (8192, 11264) per row.
     sizes = describe_4b()

@@ -23,7 +23,8 @@ On CPU::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import cache
 from typing import Literal, get_args
 
@@ -42,10 +43,29 @@ ATTENTION_PATHS: tuple[str, ...] = get_args(AttentionPath)
 Predicate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+# Set only inside `dense_attention()`: every rule then builds the dense mask, whatever its path says.
+_forced_dense = False
+
+
+@contextmanager
+def dense_attention() -> Iterator[None]:
+    """Within this block every training mask runs the dense path. For ``torch.utils.flop_counter``, which cannot
+    trace the compiled flex kernel: a benchmark counts a step's FLOPs densely (the count a dense kernel does, masked
+    positions included) and times the other steps on the path the recipe chose."""
+    global _forced_dense
+    outer, _forced_dense = _forced_dense, True
+    try:
+        yield
+    finally:
+        _forced_dense = outer
+
+
 def resolve_path(path: str, device: torch.device) -> Literal["flex", "dense"]:
     """``auto`` → ``flex`` on CUDA, ``dense`` elsewhere; ``flex`` and ``dense`` as given; anything else refused."""
     if path not in ATTENTION_PATHS:
         raise UserError(f"attention must be one of {', '.join(ATTENTION_PATHS)}; got {path!r}")
+    if _forced_dense:
+        return "dense"
     if path == "auto":
         return "flex" if device.type == "cuda" else "dense"
     return path  # type: ignore[return-value]
