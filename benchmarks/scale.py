@@ -508,7 +508,8 @@ def run_recipe(recipe: str, args: argparse.Namespace, device: torch.device) -> d
     command = fit_command(recipe, args, work, target, backbone)
     print(f"[{recipe}] {' '.join(command[1:])}", flush=True)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), str(ROOT), env.get("PYTHONPATH")) if p)
+    # The callback's module (this file, as `scale`) comes last, so the scripts beside it shadow nothing.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH"), str(Path(__file__).parent)) if p)
     start = time.perf_counter()
     rc = subprocess.run(command, env=env, timeout=args.timeout).returncode
     if rc != 0:
