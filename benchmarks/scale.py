@@ -512,14 +512,15 @@ def run_recipe(recipe: str, args: argparse.Namespace, device: torch.device) -> d
     from trainer.recipes import resolve_recipe
 
     resolve_recipe(recipe)  # an unknown recipe fails before any model is built
-    shape = shape_of(recipe)
+    name = Path(recipe).name  # a recipe given by path: recipes/<drafter>_<shape>[.yaml]
+    shape = shape_of(name.removesuffix(".yaml"))
     suffix = "_shrink" if args.shrink else ""
     target = build_target(shape, args.work / "targets" / f"{shape}{suffix}", device, args.shrink)
     backbone = None
-    if recipe.startswith("treeflash"):
+    if name.startswith("treeflash"):
         out = args.work / "backbones" / f"dflash_{shape}{suffix}"
         backbone = build_backbone(shape, target, out, device, args.backbone_layers)
-    work = args.work / "runs" / recipe
+    work = args.work / "runs" / name
     report = work / "report.json"
     report.unlink(missing_ok=True)
     command = fit_command(recipe, args, work, target, backbone)
