@@ -16,7 +16,7 @@ plus ``--trainer.max_steps``, and the :class:`StepClock` callback prints, as it 
   drafter's states, drafter forward and loss (the rest of the forward), backward, optimizer (gradient clipping,
   AdamW, zero_grad, logging), and the time between steps (data loading); the largest is named;
 - peak memory over the training steps (CUDA allocator: allocated and reserved; CPU: the process's max RSS);
-- FLOP per step and MFU. The FLOPs are those of one warm-up step as ``torch.utils.flop_counter`` counts the
+- FLOP per step and MFU. The FLOPs are those of the last step (not timed) as ``torch.utils.flop_counter`` counts the
   kernels that run (``2·m·n·k`` per matmul, attention kernels by their dense formula, masked-out positions
   included), forward and backward, split into the phases above::
 
@@ -32,8 +32,10 @@ plus ``--trainer.max_steps``, and the :class:`StepClock` callback prints, as it 
   times the unrolled steps for EAGLE-3. ``peak`` is the device's dense bf16 peak (a table of known GPUs, or
   ``--peak-tflops``).
 
-A recipe that fails prints its error and the script goes on to the next; the exit status is 1 if any failed. Keys
-of the recipe can be set with ``--override KEY=VALUE`` (passed as ``--KEY VALUE`` to ``trainer fit``, e.g.
+A recipe that fails prints its error and the script goes on to the next; the exit status is 1 if any failed (the
+timed steps' summary is written before the FLOP-counted last step, so a failure there or after training still
+reports it). ``--attention IMPL`` sets ``model.attention`` (the drafters' training attention), and any key of the
+recipe can be set with ``--override KEY=VALUE`` (passed as ``--KEY VALUE`` to ``trainer fit``, e.g.
 ``--override model.max_anchors=256``). ``--shrink`` builds a tiny shape of the same architecture (8 layers,
 width 64, the real vocabulary) and runs on the CPU in seconds::
 
@@ -222,14 +224,18 @@ def empty_cache(device: torch.device) -> None:
 
 
 class StepClock(Callback):
-    """Times every training step by phase, counts one warm-up step's FLOPs, and prints and saves the summary.
+    """Times every training step by phase, counts the last step's FLOPs, and prints and saves the summary.
+
+    The summary of the timed steps is written before the last step starts, so that a failure of the FLOP counter
+    (a dispatch mode over that one step; what it counts is the script's only addition to the step) or of anything
+    after training still leaves the timings.
 
     Args:
         label: the name printed on every line (the recipe).
         report: JSON file written at the end of training with the summary.
-        warmup: steps left out of the medians (the FLOPs are counted on the last of them).
+        warmup: steps left out of the medians at the start.
         peak_tflops: the device's dense bf16 peak; default from the device name (none on a CPU: no MFU).
-        count_flops: count FLOPs (``torch.utils.flop_counter``) on a warm-up step.
+        count_flops: count FLOPs (``torch.utils.flop_counter``) on the last step, which is then not timed.
     """
 
     PHASES = ("target forward", "LM head", "drafter forward and loss", "backward", "optimizer", "between steps")
@@ -311,7 +317,9 @@ class StepClock(Callback):
         for span in self._spans:
             self._spans[span].clear()
             self._span_flops[span] = 0.0
-        if self.count_flops and self.steps == self.warmup - 1:
+        if self.count_flops and self.steps == trainer.max_steps - 1 and self.steps > 0:
+            if trainer.is_global_zero:
+                self.write_report()
             self._flop_mode = FlopCounterMode(display=False)
             self._flop_mode.__enter__()
         self._marks = {"start": self._mark()}
@@ -343,7 +351,8 @@ class StepClock(Callback):
         }
         step = sum(times.values())
         self._last_end = m["end"]
-        if self._flop_mode is not None:
+        counted = self._flop_mode is not None
+        if counted:
             f = self._mark_flops
             self.flops = {
                 "target forward": self._span_flops["target forward"],
@@ -355,13 +364,13 @@ class StepClock(Callback):
             self._flop_mode.__exit__(None, None, None)
             self._flop_mode = None
         self.steps += 1
-        timed = self.steps > self.warmup
+        timed = self.steps > self.warmup and not counted
         if timed:
             for k, v in {**times, "step": step}.items():
                 self.samples.setdefault(k, []).append(v)
         if trainer.is_global_zero:
             parts = " | ".join(f"{k} {v:.3f}" for k, v in times.items())
-            tag = "" if timed else " (warm-up)"
+            tag = " (FLOPs counted)" if counted else "" if timed else " (warm-up)"
             print(f"[{self.label}] step {self.steps}{tag}: {step:.3f} s, {self.tokens / step:,.0f} tok/s | {parts}",
                   flush=True)  # fmt: skip
 
@@ -370,10 +379,16 @@ class StepClock(Callback):
             handle.remove()
         if not trainer.is_global_zero:
             return
+        print(format_summary(self.label, self.write_report()), flush=True)
+
+    def write_report(self) -> dict[str, Any]:
+        """Write the summary so far to ``report`` (atomically) and return it."""
+        from trainer.io import write_text_atomic
+
         summary = self.summary()
         self.report.parent.mkdir(parents=True, exist_ok=True)
-        self.report.write_text(json.dumps(summary, indent=1))
-        print(format_summary(self.label, summary), flush=True)
+        write_text_atomic(self.report, json.dumps(summary, indent=1))
+        return summary
 
     def summary(self) -> dict[str, Any]:
         """The medians over the timed steps, FLOPs, MFU and peak memory (``s_per_step`` None without timed steps)."""
@@ -421,7 +436,7 @@ def format_summary(label: str, s: dict[str, Any]) -> str:
     )
     if s["flops_per_step"]:
         split = " + ".join(f"{k} {_si(v)}" for k, v in s["flops_by_phase"].items() if v)
-        lines.append(f"  FLOP/step {_si(s['flops_per_step'])} = {split} (torch.utils.flop_counter, one warm-up step)")
+        lines.append(f"  FLOP/step {_si(s['flops_per_step'])} = {split} (torch.utils.flop_counter, the last step)")
     if s["mfu"] is not None:
         lines.append(f"  MFU {s['mfu']:.1%} of {s['peak_flops'] / 1e12:.0f} TFLOP/s (dense bf16 peak)")
     if "peak_allocated_gb" in s:
@@ -476,6 +491,8 @@ def fit_command(recipe: str, args: argparse.Namespace, work: Path, target: Path,
         options["model.backbone"] = str(backbone)
     if args.max_length:
         options["data.spec.max_length"] = str(args.max_length)
+    if args.attention:
+        options["model.attention"] = args.attention
     if args.shrink:
         options["trainer.accelerator"] = "cpu"
         if config.get("model", {}).get("init_args", {}).get("max_anchors"):
@@ -495,30 +512,37 @@ def run_recipe(recipe: str, args: argparse.Namespace, device: torch.device) -> d
     from trainer.recipes import resolve_recipe
 
     resolve_recipe(recipe)  # an unknown recipe fails before any model is built
-    shape = shape_of(recipe)
+    name = Path(recipe).name  # a recipe given by path: recipes/<drafter>_<shape>[.yaml]
+    shape = shape_of(name.removesuffix(".yaml"))
     suffix = "_shrink" if args.shrink else ""
     target = build_target(shape, args.work / "targets" / f"{shape}{suffix}", device, args.shrink)
     backbone = None
-    if recipe.startswith("treeflash"):
+    if name.startswith("treeflash"):
         out = args.work / "backbones" / f"dflash_{shape}{suffix}"
         backbone = build_backbone(shape, target, out, device, args.backbone_layers)
-    work = args.work / "runs" / recipe
+    work = args.work / "runs" / name
     report = work / "report.json"
     report.unlink(missing_ok=True)
     command = fit_command(recipe, args, work, target, backbone)
     print(f"[{recipe}] {' '.join(command[1:])}", flush=True)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), str(ROOT), env.get("PYTHONPATH")) if p)
+    # The callback's module (this file, as `scale`) comes last, so the scripts beside it shadow nothing.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH"), str(Path(__file__).parent)) if p)
     start = time.perf_counter()
-    rc = subprocess.run(command, env=env, timeout=args.timeout).returncode
-    if rc != 0:
-        # The FLOP counter (a dispatch mode over one warm-up step) is the one thing this script adds to the step.
-        hint = "; if its trace runs through flop_counter, run again with --no-flops" if args.flops else ""
-        raise RuntimeError(f"trainer fit exited with status {rc}{hint}")
+    try:
+        rc = subprocess.run(command, env=env, timeout=args.timeout).returncode
+        error = f"trainer fit exited with status {rc}" if rc else None
+    except subprocess.TimeoutExpired:
+        error = f"trainer fit ran past --timeout {args.timeout:g} s"
     if not report.is_file():
-        raise RuntimeError(f"trainer fit ended without a report at {report}")
+        raise RuntimeError(error or f"trainer fit ended without a report at {report}")
+    # The timed steps' summary is written before the FLOP-counted last step: a later failure keeps it.
     summary = json.loads(report.read_text())
     summary["wall_s"] = time.perf_counter() - start
+    if error:
+        hint = "; if its trace runs through flop_counter, run again with --no-flops" if args.flops else ""
+        summary["error"] = f"{error} after the timed steps{hint}"
+        print(f"[{recipe}] failed: {summary['error']}", flush=True)
     return summary
 
 
@@ -541,6 +565,8 @@ def print_table(results: dict[str, dict[str, Any] | str]) -> None:
             f"{recipe:<22} {s['s_per_step']:>7.3f} {s['tokens_per_s']:>9,.0f} {mfu:>6} {peak:>8.1f} "
             f"{s['wall_s']:>6.0f}  {largest} ({phases[largest] / s['s_per_step']:.0%})"
         )
+        if "error" in s:
+            print(f"{'':<22} then failed: {s['error']}")
     sys.stdout.flush()
 
 
@@ -554,15 +580,18 @@ def main() -> None:
     p.add_argument("--val-batches", type=int, default=2, help="batches of the validation pass at the last step")
     p.add_argument("--backbone-layers", type=int, default=5, help="layers of TreeFlash's random DFlash backbone")
     p.add_argument("--work", type=Path, default=Path("runs/scale"), help="targets, backbones and runs go here")
+    attention = "the drafters' training attention, model.attention (e.g. flex, dense); default: the recipe's"
+    p.add_argument("--attention", help=attention)
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="a recipe key, repeatable")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (default: by name)")
-    p.add_argument("--flops", action=argparse.BooleanOptionalAction, default=True, help="count FLOPs (a warm-up step)")
+    flops = "count FLOPs on the last step (then not timed)"
+    p.add_argument("--flops", action=argparse.BooleanOptionalAction, default=True, help=flops)
     p.add_argument("--timeout", type=float, default=None, help="seconds a recipe's fit may take")
     p.add_argument("--shrink", action="store_true", help="a tiny shape of each architecture, on the CPU")
     p.add_argument("--smoke", action="store_true", help="--shrink with 3 steps of short rows: checks the script runs")
     args = p.parse_args()
     if args.smoke:
-        args.shrink, args.steps, args.warmup, args.val_batches = True, 3, 1, 1
+        args.shrink, args.steps, args.warmup, args.val_batches = True, 4, 1, 1
         if args.recipes == p.get_default("recipes"):
             # Both architectures, both strategies (FSDP2, DDP), a built backbone and a data-made draft vocabulary.
             args.recipes = "treeflash_qwen3_4b,eagle3_llama31_8b"
@@ -583,7 +612,7 @@ def main() -> None:
         empty_cache(device)
     print_table(results)
     print(f"{time.perf_counter() - start:.0f} s in all (building, saving and loading included)")
-    sys.exit(1 if any(isinstance(s, str) for s in results.values()) else 0)
+    sys.exit(1 if any(isinstance(s, str) or "error" in s for s in results.values()) else 0)
 
 
 if __name__ == "__main__":

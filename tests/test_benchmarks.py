@@ -2,6 +2,7 @@
 process as a user runs it, so a change that breaks a benchmark fails here instead of when someone next measures.
 ``benchmarks/scale.py --smoke`` trains two recipes at a shrunk shape on the CPU and its report is checked."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 from conftest import ROOT
 from transformers import AutoModelForCausalLM
 
@@ -40,12 +42,13 @@ def load_scale():
 
 def test_scale_runs_recipes_at_a_shrunk_shape(tmp_path):
     # A recipe that cannot run comes first: it is reported, the others still run, and the exit status says so.
-    recipes = "nosuch_qwen3_4b,treeflash_qwen3_4b,eagle3_llama31_8b"
+    # dflash_qwen3_4b clips the gradients of sharded and replicated trainable parameters together (FSDP2).
+    recipes = "nosuch_qwen3_4b,treeflash_qwen3_4b,eagle3_llama31_8b,dflash_qwen3_4b"
     proc = run_smoke("scale.py", "--work", str(tmp_path), "--recipes", recipes)
     assert proc.returncode == 1, f"scale.py --smoke:\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
     table = proc.stdout.split("largest phase")[-1]
     assert "nosuch_qwen3_4b        failed: RecipeError: recipe 'nosuch_qwen3_4b' not found" in table
-    for recipe in ("treeflash_qwen3_4b", "eagle3_llama31_8b"):
+    for recipe in ("treeflash_qwen3_4b", "eagle3_llama31_8b", "dflash_qwen3_4b"):
         report = json.loads((tmp_path / "runs" / recipe / "report.json").read_text())
         assert report["timed_steps"] == 2 and report["s_per_step"] > 0
         assert report["tokens_per_step"] == 128
@@ -83,3 +86,22 @@ def test_scale_shapes_are_the_real_models(shape, parameters):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_scale().model_config(shape, shrink=False))
     assert sum(p.numel() for p in model.parameters()) == parameters
+
+
+def test_scale_fit_command_passes_attention_and_overrides(tmp_path):
+    scale = load_scale()
+    parser_args = dict(
+        steps=7, warmup=2, val_batches=1, data="stdlib:train", max_length=0, shrink=False, peak_tflops=None,
+        flops=True, attention="dense", override=["model.max_anchors=256", "--trainer.log_every_n_steps=1"],
+    )  # fmt: skip
+    args = argparse.Namespace(**parser_args)
+    command = scale.fit_command("dflash_qwen3_4b", args, tmp_path, tmp_path / "target", None)
+    options = dict(zip(command[6::2], command[7::2], strict=True))
+    assert command[1:6] == ["-m", "trainer", "fit", "--recipe", str(tmp_path / "recipe.yaml")]
+    assert options["--model.attention"] == "dense"
+    assert options["--model.max_anchors"] == "256" and options["--trainer.log_every_n_steps"] == "1"
+    assert options["--trainer.max_steps"] == "7" and "--data.spec.max_length" not in options
+    # The copy of the recipe keeps its callbacks and adds the clock.
+    callbacks = yaml.safe_load((tmp_path / "recipe.yaml").read_text())["trainer"]["callbacks"]
+    assert [c["class_path"] for c in callbacks][-2:] == ["trainer.callbacks.GradientCheckpointing", "scale.StepClock"]
+    assert callbacks[-1]["init_args"]["warmup"] == 2

@@ -41,6 +41,21 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
 
 
+def clip_grad_norm_mixed(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale the gradients of ``parameters`` so that their joint L2 norm is at most ``max_norm``, as
+    ``torch.nn.utils.clip_grad_norm_`` does, for a mix of FSDP2 shards (DTensor gradients: their squares summed
+    over the mesh, a collective every rank calls) and replicated tensors (equal on every rank). Returns the norm
+    before clipping."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squares = [g.float().pow(2).sum() for g in grads]
+    total = torch.stack([s.full_tensor() if isinstance(s, DTensor) else s for s in squares]).sum().sqrt()
+    coef = max_norm / (float(total) + 1e-6)
+    if coef < 1:
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
 class FrozenTargetTraining(L.LightningModule):
     """Base of the LightningModules that train a drafter against a frozen target.
 
@@ -139,6 +154,17 @@ class FrozenTargetTraining(L.LightningModule):
                 # A sum then a division: gloo (CPU) has no average.
                 torch.distributed.all_reduce(p.grad, group=group)
                 p.grad.div_(mesh.size())
+
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        # Under FSDP2 the trainable parameters mix DTensor shards and replicated tensors, which torch's
+        # clip_grad_norm_ refuses; clipping by value needs no norm, so Lightning's own path does.
+        sharded = getattr(self, "_replicated_mesh", None) is not None
+        if not sharded or not gradient_clip_val or gradient_clip_algorithm == "value":
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        clip_grad_norm_mixed(self.trainable_parameters(), gradient_clip_val)
 
     @property
     def layer_ids(self) -> list[int]:

@@ -227,7 +227,9 @@ class SpecBlockTraining(FrozenTargetTraining):
             "stop": [],
         }
         for r in results:
-            per_slot = lambda v: torch.zeros(k, device=v.device).index_add(0, r.slot, v.float() * r.kl_mask)  # noqa: E731, B023
+            # float32 whatever the default dtype (bf16-true validation makes it bfloat16).
+            zeros = torch.zeros(k, device=r.slot.device, dtype=torch.float32)
+            per_slot = lambda v: zeros.index_add(0, r.slot, v.float() * r.kl_mask)  # noqa: E731, B023
             predicted = r.rank_logits.argmax(-1)
             stats["counted"].append(r.counted.float().sum(dim=(0, 1)))
             stats["valid"].append(r.valid.float().sum(dim=(0, 1)))

@@ -99,7 +99,9 @@ def class_balance_weights(
     """Per sample ``min(1, budget / count)``, ``count`` the masked samples of its (slot, class) pair; 0 where
     unmasked. Shape: (M,) long, (M,) long, (M,) bool → (M,) float."""
     pair = slot * num_classes + classes
-    counts = torch.zeros(num_slots * num_classes, device=slot.device).index_add(0, pair, mask.float())
+    # float32 whatever the default dtype (bf16-true training sets it to bfloat16).
+    counts = torch.zeros(num_slots * num_classes, device=slot.device, dtype=torch.float32)
+    counts = counts.index_add(0, pair, mask.float())
     return (budget / counts[pair].clamp(min=1)).clamp(max=1.0) * mask.float()
 
 
