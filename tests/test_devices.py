@@ -117,5 +117,5 @@ def test_serve_loads_bfloat16_weights_and_reloads_drafters_in_them(tmp_path):
     publish(tmp_path / "pub", published.save_pretrained, {"kind": "drafter"})
     worker = Worker(engine, Metrics(), "s", "dflash_tiny", "ddtree", watch=(tmp_path / "pub",))
     worker.reload()
-    assert worker.drafter_version == 1 and engine.drafter is not drafter
+    assert engine.drafter_version == 1 and engine.drafter is not drafter
     assert {p.dtype for p in engine.drafter.parameters()} == {torch.bfloat16}

@@ -19,7 +19,6 @@ import socket
 import sys
 from pathlib import Path
 
-import torch
 import uvicorn
 from transformers import AutoTokenizer, PreTrainedModel
 
@@ -74,7 +73,6 @@ def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedMo
 
 def main(argv: list[str]) -> None:
     args = parser().parse_args(argv)
-    torch.set_grad_enabled(False)
     target_dir = project_path(args.target)
     target, drafter = load_models(args)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
