@@ -18,7 +18,8 @@ plus ``--trainer.max_steps``, and the :class:`StepClock` callback prints, as it 
 - peak memory over the training steps (CUDA allocator: allocated and reserved; CPU: the process's max RSS);
 - FLOP per step and MFU. The FLOPs are those of the last step (not timed) as ``torch.utils.flop_counter`` counts the
   kernels that run (``2·m·n·k`` per matmul, attention kernels by their dense formula, masked-out positions
-  included), forward and backward, split into the phases above::
+  included), forward and backward, split into the phases above. That step runs the drafters' dense attention path
+  (the counter cannot trace compiled flex attention), so a flex run's MFU also credits the tiles flex skips::
 
       FLOP/step = F_target + F_head + F_drafter + F_backward
       F_target   ≈ 2·P_t·T + 4·L_t·T²·H_t·d_t (attention, causal kernels counted dense) + 2·T·d·V (logits)
@@ -59,6 +60,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +69,8 @@ import yaml
 from lightning.pytorch.callbacks import Callback
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, PretrainedConfig
+
+from trainer.drafters.attention import dense_attention
 
 # The real shapes, as their hub configs give them (text fields that change the compute or the checkpoint).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -254,6 +258,7 @@ class StepClock(Callback):
         self.steps = 0
         self._last_end: Any = None
         self._flop_mode: FlopCounterMode | None = None
+        self._counting = ExitStack()
 
     # ---- marks: CUDA events (the GPU's timeline, host waits included) or wall clock --------------------------
     def _mark(self) -> Any:
@@ -320,8 +325,10 @@ class StepClock(Callback):
         if self.count_flops and self.steps == trainer.max_steps - 1 and self.steps > 0:
             if trainer.is_global_zero:
                 self.write_report()
-            self._flop_mode = FlopCounterMode(display=False)
-            self._flop_mode.__enter__()
+            # The flop counter cannot trace the compiled flex kernel, so the counted step runs the dense path.
+            self._counting = ExitStack()
+            self._counting.enter_context(dense_attention())
+            self._flop_mode = self._counting.enter_context(FlopCounterMode(display=False))
         self._marks = {"start": self._mark()}
         self._mark_flops = {"start": self._flop_total()}
 
@@ -361,7 +368,7 @@ class StepClock(Callback):
                 "backward": f["backward"] - f["forward"],
                 "optimizer": f["end"] - f["backward"],
             }
-            self._flop_mode.__exit__(None, None, None)
+            self._counting.close()
             self._flop_mode = None
         self.steps += 1
         timed = self.steps > self.warmup and not counted
