@@ -7,6 +7,8 @@ shipped tiny target, one training step (forward, backward, AdamW step) on the sa
   batch, the floor of any online trainer (goal: at most 1.3x);
 - offline (features read from a cache, here computed once beforehand): step time as a ratio to the drafter's own
   forward and backward within that step;
+- the memory of one training mask at ``dflash_qwen3_4b``'s shapes on each attention path (dense float mask,
+  flex block mask; CUDA: the peak of building it too);
 - tokens/s of both, peak memory of the step (CUDA: allocator peak; CPU: resident-set growth), and the largest
   phase above each floor: feature extraction (hooks, packed mask, top-k beyond the bare forward), drafter forward,
   LM head (the target's, on the drafter's states), batch building and loss (anchors, blocks, masks, KL), backward,
@@ -40,6 +42,7 @@ from rich.table import Table
 
 from trainer.data.features import with_features
 from trainer.data.prepare import DataSpec
+from trainer.drafters.attention import describe_4b
 from trainer.paths import project_path
 from trainer.target import Target, load_causal_lm
 from trainer.tiny.corpus import list_modules
@@ -292,6 +295,9 @@ def main() -> None:
     Console(width=200).print(table)
     low, high = min(floors), max(floors)
     print(f"floor: target forward {low * 1e3:.0f}-{high * 1e3:.0f} ms for {tokens} tokens across the families' runs")
+    # The tiny recipes' masks are small; the paths differ at a real recipe's shapes (one row, CUDA: with the peak
+    # of building each).
+    print(f"training mask of one dflash_qwen3_4b row (512 blocks of 16, 3072 tokens): {describe_4b(device)}")
 
 
 if __name__ == "__main__":
