@@ -45,6 +45,8 @@ from trainer.vlog.writer import LogWriter
 
 # The vLLM release whose private interfaces these hooks follow.
 VLLM_VERSION = "0.32.0"
+# vLLM's speculative methods that draft without a model (logged with ``drafter: null``).
+DRAFTER_FREE = ("ngram", "ngram_gpu", "suffix")
 # vLLM's padding of ``sampled_token_ids`` after the first rejected draft.
 PLACEHOLDER = -1
 logger = logging.getLogger("trainer.vllm")
@@ -97,6 +99,8 @@ class Recorder:
         self.drafted_version: int | None = None
         self.draft_ms = 0.0
         self.step_start = 0.0
+        # The hot reloader when a publish directory is watched (set by ``install``).
+        self.reloader: Any = None
 
     @property
     def writer(self) -> LogWriter:
@@ -205,7 +209,10 @@ def install(config: PluginConfig) -> Recorder:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from trainer.integrations.vllm.reload import Reloader
+
     recorder = Recorder(config)
+    reloader = Reloader(config.watch, config.poll_seconds, recorder) if config.watch is not None else None
     execute_model = GPUModelRunner.execute_model
     sample = GPUModelRunner._sample
     propose = GPUModelRunner.propose_draft_token_ids
@@ -225,11 +232,14 @@ def install(config: PluginConfig) -> Recorder:
         if spec is not None:
             recorder.budget = spec.num_speculative_tokens
             recorder.tree = f"vllm-{spec.method}"
-            # Drafter-free methods (ngram, suffix) have no draft model config.
-            recorder.drafter = spec.model if spec.draft_model_config is not None else None
+            recorder.drafter = None if spec.method in DRAFTER_FREE else spec.model
+        if reloader is not None:
+            reloader.attach(runner)
 
     def execute_model_hook(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         start(self)
+        if reloader is not None:
+            reloader.poll()
         recorder.step_start = time.perf_counter()
         return execute_model(self, scheduler_output, *args, **kwargs)
 
@@ -258,5 +268,6 @@ def install(config: PluginConfig) -> Recorder:
     GPUModelRunner._sample = sample_hook
     GPUModelRunner.propose_draft_token_ids = propose_hook
     Scheduler._free_request = free_request_hook
+    recorder.reloader = reloader
     _installed = recorder
     return recorder

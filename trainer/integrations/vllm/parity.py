@@ -32,7 +32,7 @@ from trainer.export import formats_for, write_export
 from trainer.export.dflash import as_dflash
 from trainer.paths import project_path
 from trainer.spec.drafting import load_drafter
-from trainer.spec.engine import BUILDERS, Generation, generate, make_session
+from trainer.spec.engine import BUILDERS, generate, make_session
 from trainer.spec.options import TreeOptions
 
 DEFAULT_PROMPTS = "data/prompts/stdlib_heldout.jsonl"
@@ -69,7 +69,8 @@ def ours(
     outputs, per_position, drafts, draft_tokens = [], [0] * tokens, 0, 0
     for prompt in prompts:
         session = make_session(tree, target, drafter, options)
-        g = generate(target, session, BUILDERS[tree], torch.tensor(prompt), max_tokens + tokens, tokens, options=options)
+        prompt_ids = torch.tensor(prompt)
+        g = generate(target, session, BUILDERS[tree], prompt_ids, max_tokens + tokens, tokens, options=options)
         outputs.append(g.tokens[:max_tokens])
         done = 1  # the prefill's token
         for step in g.steps:
