@@ -64,6 +64,34 @@ def served_drafter(path: Path) -> torch.nn.Module:
     return load_speculators(path) if '"speculators_model_type"' in config else load_drafter(path)
 
 
+def reload_in_place(draft: torch.nn.Module, target: torch.nn.Module, vllm_config: Any, weights: Any) -> None:
+    """vLLM's layerwise in-place reload (``model_loader.reload``) restricted to the drafter's own layers: a layer
+    that is the target's or holds its parameters (the shared embedding, a shared LM head) is in no published
+    version, and putting it on the meta device like the others would lose it."""
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        finalize_layerwise_reload,
+        get_layerwise_info,
+        initialize_online_processing,
+    )
+    from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+    # By identity: vLLM shares a layer by assigning the target's module (prepacked weights may not own storage).
+    shared = {id(m) for m in target.modules()} | {id(p) for p in target.parameters()}
+    for layer in draft.modules():
+        if id(layer) in shared or any(id(p) in shared for p in layer.parameters(recurse=False)):
+            continue
+        info = get_layerwise_info(layer)
+        if info.can_load():
+            continue
+        info.kernel_tensors = get_layer_params_buffers(layer)
+        info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+        restore_layer_on_meta(layer, info)
+        initialize_online_processing(layer)
+    draft.load_weights(weights)
+    finalize_layerwise_reload(draft, vllm_config.model_config)
+
+
 class Reloader:
     def __init__(self, watch: Path, poll_seconds: float, recorder: Any) -> None:
         self.watch = Path(watch)
@@ -126,15 +154,9 @@ class Reloader:
             shapes = [k for k in signature[1] if k in self.reference[1] and signature[1][k] != self.reference[1][k]]
             raise RefusedVersion(f"architecture differs from the served drafter: fields {diff}, "
                                  f"weights missing/extra {sorted(names)[:5]}, shapes {shapes[:5]}")  # fmt: skip
-        from vllm.model_executor.model_loader.reload import reload_weights
-
-        dtype = next(self.runner.get_draft_model().parameters()).dtype
-        reload_weights(
-            self.runner.vllm_config,
-            self.runner.get_draft_model(),
-            ((k, v.to(dtype)) for k, v in weights.items()),
-            None,
-            is_checkpoint_format=True,
+        # In our dtype: vLLM's weight loaders convert while copying (the drafter's own tensors may be prepacked).
+        reload_in_place(
+            self.runner.get_draft_model(), self.runner.get_model(), self.runner.vllm_config, iter(weights.items())
         )
         self.recorder.version = version
         self.swaps += 1
