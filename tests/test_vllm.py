@@ -153,7 +153,8 @@ def test_ngram_drafting_is_logged_drafter_free_with_each_requests_tenant(tmp_pat
 def test_the_plugin_refuses_another_vllm_release(monkeypatch):
     import vllm
 
-    from trainer.integrations.vllm.hooks import PluginError, check_version
+    from trainer.integrations.vllm.config import PluginError
+    from trainer.integrations.vllm.hooks import check_version
 
     check_version()
     monkeypatch.setattr(vllm, "__version__", "0.33.0")

@@ -34,6 +34,10 @@ ENV = {
 CONFIG_ENV = "TRAINER_VLLM_CONFIG"
 
 
+class PluginError(RuntimeError):
+    """The plugin cannot run against this vLLM (version, executor, scheduling mode); the message says why."""
+
+
 @dataclass(frozen=True)
 class PluginConfig:
     log_dir: Path | None = None

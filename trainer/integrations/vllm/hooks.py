@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.integrations.vllm.config import PluginConfig
+from trainer.integrations.vllm.config import PluginConfig, PluginError
 from trainer.sampling import top_rows
 from trainer.vlog.recorder import LOGPROB_DECIMALS
 from trainer.vlog.schema import request_record, step_record
@@ -50,10 +50,6 @@ DRAFTER_FREE = ("ngram", "ngram_gpu", "suffix")
 # vLLM's padding of ``sampled_token_ids`` after the first rejected draft.
 PLACEHOLDER = -1
 logger = logging.getLogger("trainer.vllm")
-
-
-class PluginError(RuntimeError):
-    """The plugin cannot run against this vLLM (version, executor, scheduling mode); the message says why."""
 
 
 def shareable_of(value: object) -> bool:

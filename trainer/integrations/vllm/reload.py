@@ -30,6 +30,7 @@ from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.export.dflash import as_dflash
 from trainer.export.speculators import dflash_layout, eagle3_layout
 from trainer.export.speculators import load as load_speculators
+from trainer.integrations.vllm.config import PluginError
 from trainer.spec.drafting import load_drafter
 
 logger = logging.getLogger("trainer.vllm")
@@ -106,8 +107,6 @@ class Reloader:
 
     def attach(self, runner: Any) -> None:
         """Remember the served drafter's architecture (from the directory vLLM loaded it from)."""
-        from trainer.integrations.vllm.hooks import PluginError
-
         if runner.get_draft_model() is None:
             raise PluginError(f"TRAINER_VLLM_WATCH={self.watch} needs a drafter in vLLM's speculative config")
         self.runner = runner
