@@ -14,13 +14,15 @@ release):
   ``propose_draft_token_ids`` is timed as the next step's ``draft``, and the drafter version that ran it is
   remembered for the records of the drafts it made.
 - ``Scheduler._free_request(request)`` sees every finished request (stopped, length-capped or aborted) with its
-  authoritative output (the scheduler trims tokens past a stop or the length limit): the request record. It runs
-  in the engine-core process after the worker's step, so a request's record follows its last step record.
+  authoritative output (the scheduler trims tokens past a stop or the length limit): the request record, when
+  the worker runs in the same process (in-process engines, the ``uni`` executor). It runs after the worker's
+  step, so a request's record follows its last step record. Where the worker has a process of its own
+  (``vllm serve`` on CPU), the worker writes the record when ``GPUModelRunner._update_states`` hears of the
+  finished request (with the next step), its output cut as the scheduler cuts it (:func:`trimmed`).
 
-The records of one server go through one :class:`~trainer.vlog.writer.LogWriter` per process; the worker and the
-scheduler share it, which holds when the worker runs inside the engine core (one CPU worker: vLLM's ``uni``
-executor, tensor parallel size 1). A second process of the same server would ask for the same prefix and fail
-loudly (one live writer per prefix). Drafter-free speculation (``ngram``, ``suffix``) is logged with
+The records go through one :class:`~trainer.vlog.writer.LogWriter`, in the worker's process; one worker
+(tensor parallel size 1): a second worker would ask for the same prefix and fail loudly (one live writer per
+prefix). Drafter-free speculation (``ngram``, ``suffix``) is logged with
 ``drafter: null``. Tenant and shareable come from the request's ``vllm_xargs`` (``{"tenant": "acme",
 "shareable": 0}``); without them a request is ``tenant: null, shareable: true``.
 
@@ -124,6 +126,11 @@ class Recorder:
         self.drafted_version: int | None = None
         self.draft_ms = 0.0
         self.step_start = 0.0
+        # Which of vLLM's parts run in this process: with both (one engine-core process, the ``uni`` executor)
+        # the scheduler writes request records; with the worker alone (``vllm serve``'s worker process) the
+        # worker writes them when the scheduler reports the request finished (its next step).
+        self.runner_here = False
+        self.scheduler_here = False
         # The hot reloader when a publish directory is watched (set by ``install``).
         self.reloader: Any = None
 
@@ -194,22 +201,36 @@ class Recorder:
             rows = slice(first, first + len(record["tokens"]) + 1)
             self.writer.write(lambda rows=rows, record=record: step_record(**record, **top.rows(rows)))
 
-    def finished(self, request: Any) -> None:
-        """The request record of a request the scheduler has finished."""
-        if request.sampling_params is None:
+    def finished(self, request_id: str, params: Any, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """The request record of a finished request."""
+        if params is None:
             return
-        self.steps.pop(request.request_id, None)
-        tenant, shareable = identity(request.sampling_params.extra_args)
+        self.steps.pop(request_id, None)
+        tenant, shareable = identity(params.extra_args)
         self.writer.write(
             request_record(
                 server=self.config.prefix,
-                request=request.request_id,
+                request=request_id,
                 tenant=tenant,
                 shareable=shareable,
-                prompt_ids=list(request.prompt_token_ids or []),
-                output_ids=list(request.output_token_ids),
+                prompt_ids=list(prompt_ids or []),
+                output_ids=list(output_ids),
             )
         )
+
+
+def trimmed(output_ids: list[int], params: Any) -> list[int]:
+    """A worker's view of a finished request's output cut as the scheduler cuts it (``check_stop``): at
+    ``max_tokens`` and after the first stop token (EOS unless ignored, ``stop_token_ids``) past ``min_tokens``.
+    Stop strings are the front end's: an output they ended is logged as far as the worker computed it."""
+    stops = set(params.stop_token_ids or ())
+    if not params.ignore_eos and params.eos_token_id is not None:
+        stops.add(params.eos_token_id)
+    out = list(output_ids[: params.max_tokens])
+    for i, token in enumerate(out):
+        if token in stops and i + 1 > params.min_tokens:
+            return out[: i + 1]
+    return out
 
 
 def top_of(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,11 +311,14 @@ def install(config: PluginConfig) -> Recorder:
     sample = GPUModelRunner._sample
     propose = GPUModelRunner.propose_draft_token_ids
     free_request = Scheduler._free_request
+    scheduler_init = Scheduler.__init__
+    update_states = GPUModelRunner._update_states
 
     def start(runner: Any) -> None:
         if getattr(runner, "_trainer_started", False):
             return
         runner._trainer_started = True
+        recorder.runner_here = True
         if runner.use_async_scheduling:
             raise PluginError(
                 "the trainer vLLM plugin reads committed tokens synchronously; start vLLM with "
@@ -336,14 +360,30 @@ def install(config: PluginConfig) -> Recorder:
         return drafts
 
     def free_request_hook(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        if config.log_dir is not None:
-            recorder.finished(request)
+        if config.log_dir is not None and recorder.runner_here:
+            recorder.finished(request.request_id, request.sampling_params, request.prompt_token_ids,
+                              request.output_token_ids)  # fmt: skip
         return free_request(self, request, *args, **kwargs)
+
+    def scheduler_init_hook(self: Any, *args: Any, **kwargs: Any) -> None:
+        recorder.scheduler_here = True
+        scheduler_init(self, *args, **kwargs)
+
+    def update_states_hook(self: Any, scheduler_output: Any) -> Any:
+        if config.log_dir is not None and not recorder.scheduler_here:
+            for req_id in scheduler_output.finished_req_ids:
+                state = self.requests.get(req_id)
+                if state is not None and state.sampling_params is not None:
+                    output = trimmed(state.output_token_ids, state.sampling_params)
+                    recorder.finished(req_id, state.sampling_params, state.prompt_token_ids, output)
+        return update_states(self, scheduler_output)
 
     GPUModelRunner.execute_model = execute_model_hook
     GPUModelRunner._sample = sample_hook
     GPUModelRunner.propose_draft_token_ids = propose_hook
     Scheduler._free_request = free_request_hook
+    Scheduler.__init__ = scheduler_init_hook
+    GPUModelRunner._update_states = update_states_hook
     recorder.reloader = reloader
     _installed = recorder
     return recorder
