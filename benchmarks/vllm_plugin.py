@@ -4,7 +4,8 @@
    same held-out prompts as one batch, in a fresh process per run, with and without ``TRAINER_VLLM_LOG_DIR``,
    alternating which goes first. Greedy decoding takes the same steps both ways, so the wall time of
    ``generate`` compares directly; the paired ratio (logged / unlogged) is printed per pair with the median.
-   The machine is shared: read the spread across pairs before the median.
+   The log writer thread's CPU time (top-k, validation, JSON, I/O) is counted directly beside it: the cost when
+   no core is spare. The machine is shared: read the spread across pairs before the median.
 2. Swap: the time of each hot swap of a published drafter version (the plugin's own measurement: load, convert,
    check, in-place reload), over ``--swaps`` versions published while vLLM serves.
 
@@ -42,12 +43,16 @@ llm = LLM(target, dtype="float32", enforce_eager=True, async_scheduling=False, m
           speculative_config={"model": export, "method": "eagle3", "num_speculative_tokens": 3})
 params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+from trainer.integrations.vllm import hooks
+writer = hooks._installed._writer if hooks._installed is not None else None
+cpu = writer.cpu_seconds() if writer is not None else 0.0
 start = time.perf_counter()
 llm.generate(prompts, params, use_tqdm=False)
 result = {"seconds": time.perf_counter() - start}
+if writer is not None:
+    result["writer_cpu"] = writer.cpu_seconds() - cpu
 if swaps:
     from trainer.adapt.publish import publish
-    from trainer.integrations.vllm import hooks
     from trainer.spec.drafting import load_drafter
     drafter = load_drafter("checkpoints/eagle3_tiny")
     for _ in range(swaps):
@@ -91,11 +96,13 @@ def main() -> None:
         for pair in range(args.pairs):
             logs = tmp / f"logs{pair}"
             order = [None, logs] if pair % 2 == 0 else [logs, None]
-            seconds = {str(o): run(drafter, o, None, args)["seconds"] for o in order}
-            ratio = seconds[str(logs)] / seconds["None"]
+            runs = {str(o): run(drafter, o, None, args) for o in order}
+            plain, logged = runs["None"]["seconds"], runs[str(logs)]["seconds"]
+            ratio = logged / plain
             ratios.append(ratio)
-            plain, logged = seconds["None"], seconds[str(logs)]
-            print(f"pair {pair}: unlogged {plain:.2f} s, logged {logged:.2f} s, ratio {ratio:.3f}")
+            writer = runs[str(logs)]["writer_cpu"] / plain
+            print(f"pair {pair}: unlogged {plain:.2f} s, logged {logged:.2f} s, ratio {ratio:.3f}; "
+                  f"log writer thread CPU {writer:.3f} of the unlogged wall time")  # fmt: skip
         print(f"logging overhead: median ratio {statistics.median(ratios):.3f} over {len(ratios)} pairs")
         swap_ms = run(drafter, None, tmp / "pub", args)["swap_ms"]
         each = [round(m, 1) for m in swap_ms]

@@ -52,3 +52,13 @@ def test_a_bad_file_names_itself(tmp_path):
     path.write_text("{")
     with pytest.raises(UserError, match="not a readable JSON file"):
         PluginConfig.from_env({"TRAINER_VLLM_CONFIG": str(path)})
+
+
+def test_export_check_without_vllms_environment_says_how_and_writes_nothing(tmp_path, monkeypatch):
+    from trainer.export.cli import main
+
+    monkeypatch.delenv("TRAINER_VLLM_PYTHON", raising=False)
+    out = tmp_path / "export"
+    with pytest.raises(UserError, match=r"--check vllm needs vLLM's python .*\.ci/vllm_env"):
+        main(["checkpoints/eagle3_tiny", "--format", "speculators", "--out", str(out), "--check", "vllm"])
+    assert not out.exists()

@@ -30,8 +30,8 @@ from trainer.errors import ArgumentParser, UserError
 from trainer.evaluate import read_prompts
 from trainer.export import formats_for, write_export
 from trainer.export.dflash import as_dflash
+from trainer.export.source import load_source
 from trainer.paths import project_path
-from trainer.spec.drafting import load_drafter
 from trainer.spec.engine import BUILDERS, generate, make_session
 from trainer.spec.options import TreeOptions
 
@@ -151,10 +151,11 @@ def chain_length(drafter: PreTrainedModel, tokens: int | None) -> int:
 
 def check(
     drafter_path: Path, target_path: Path, formats: list[str], prompts: list[list[int]], max_tokens: int,
-    tokens: int | None = None,
+    tokens: int | None = None, served_dir: Path | None = None,
 ) -> list[dict]:  # fmt: skip
-    """One row per format: ours vs vLLM, and whether outputs equal plain decoding."""
-    drafter = load_drafter(project_path(drafter_path))
+    """One row per format: ours vs vLLM, and whether outputs equal plain decoding. ``served_dir``: an export
+    already written (one format) for vLLM to serve, instead of a fresh one."""
+    drafter = load_source(Path(drafter_path)).drafter
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     k = chain_length(drafter, tokens)
     ours_drafter = as_dflash(drafter) if isinstance(drafter, TreeFlashDraftModel) else drafter
@@ -165,7 +166,7 @@ def check(
         if fmt not in formats_for(drafter):
             raise UserError(f"{drafter_path} does not export as {fmt}; it exports as {', '.join(formats_for(drafter))}")
         with tempfile.TemporaryDirectory() as tmp:
-            export = write_export(drafter, fmt, Path(tmp) / fmt, str(target_path))
+            export = served_dir or write_export(drafter, fmt, Path(tmp) / fmt, str(target_path))
             vllm_outputs, vllm_counts = served(target_path, export, method_of(drafter), k, prompts, max_tokens)
         rows.append(
             {
@@ -200,7 +201,7 @@ def table(rows: list[dict]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="python -m trainer.integrations.vllm.parity", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--drafter", type=Path, required=True, help="HF drafter directory (ours)")
+    parser.add_argument("--drafter", type=Path, required=True, help="run directory, .ckpt or HF drafter directory")
     parser.add_argument("--target", type=Path, default=Path("checkpoints/target_tiny"), help="HF target directory")
     parser.add_argument("--formats", required=True, help="comma-separated export formats to serve")
     parser.add_argument("--prompts", type=Path, default=Path(DEFAULT_PROMPTS), help='JSONL of {"id", "prompt"}')
@@ -208,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--tokens", type=int, help="EAGLE-3 chain length (default 3); DFlash drafts its block")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--export", type=Path, help="serve this export (of the one format given) instead of a new one")
     return parser
 
 
@@ -219,7 +221,10 @@ def main(argv: list[str]) -> int:
     tokenizer = AutoTokenizer.from_pretrained(target)
     rows = read_prompts(project_path(args.prompts))[: args.limit]
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
-    result = check(args.drafter, target, args.formats.split(","), prompts, args.max_tokens, args.tokens)
+    formats = args.formats.split(",")
+    if args.export is not None and len(formats) != 1:
+        raise UserError(f"--export {args.export} is one format's directory; give one --formats, not {formats}")
+    result = check(args.drafter, target, formats, prompts, args.max_tokens, args.tokens, args.export)
     print(table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
