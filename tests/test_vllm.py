@@ -104,7 +104,7 @@ def check_parity_and_log(rows: list[dict], steps: dict, requests: dict) -> None:
 
 
 def test_eagle3_exports_served_by_vllm_accept_like_our_engine_and_are_logged(tmp_path):
-    check_parity_and_log(*parity(tmp_path, "checkpoints/eagle3_tiny", "speculators,sglang"))
+    check_parity_and_log(*parity(tmp_path, "checkpoints/eagle3_tiny", "speculators"))
 
 
 def test_dflash_exports_served_by_vllm_accept_like_our_engine_and_are_logged(tmp_path):

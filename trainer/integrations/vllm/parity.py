@@ -7,7 +7,7 @@ AR-approximator dropped (the ``dflash`` layout), and compared with our engine dr
 vLLM's environment (``.ci/vllm_env``), one vLLM engine per format, in process; exits 1 on any difference::
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m trainer.integrations.vllm.parity \\
-        --drafter checkpoints/eagle3_tiny --formats speculators,sglang --limit 8 --max-tokens 64
+        --drafter checkpoints/eagle3_tiny --formats speculators --limit 8 --max-tokens 64
 """
 
 from __future__ import annotations
