@@ -1,0 +1,64 @@
+"""The vLLM plugin's configuration, without vLLM: off unless configured, clear errors on bad settings.
+
+PYTHONPATH=$PWD python -m pytest tests/test_vllm_plugin_config.py -q
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.errors import UserError
+from trainer.integrations.vllm import register
+from trainer.integrations.vllm.config import PluginConfig
+
+
+def test_unconfigured_the_plugin_does_nothing(monkeypatch):
+    for name in ("TRAINER_VLLM_CONFIG", "TRAINER_VLLM_LOG_DIR", "TRAINER_VLLM_WATCH"):
+        monkeypatch.delenv(name, raising=False)
+    assert not PluginConfig.from_env().enabled
+    register()  # would import vLLM (absent here, or patch it there) if it did anything
+    assert "trainer.integrations.vllm.hooks" not in sys.modules
+
+
+def test_variables_override_the_file(tmp_path):
+    path = tmp_path / "plugin.json"
+    path.write_text(json.dumps({"log_dir": "a", "prefix": "replica-1", "topk": 16}))
+    config = PluginConfig.from_env({"TRAINER_VLLM_CONFIG": str(path), "TRAINER_VLLM_LOG_DIR": "b"})
+    assert (config.log_dir, config.prefix, config.topk, config.enabled) == (Path("b"), "replica-1", 16, True)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"TRAINER_VLLM_TOPK": "4"}, "TRAINER_VLLM_TOPK: topk '4' is below the verifier log's minimum 8"),
+        ({"TRAINER_VLLM_TOPK": "x"}, "TRAINER_VLLM_TOPK: topk 'x' is not an integer"),
+        ({"TRAINER_VLLM_LOG_PREFIX": ".hidden"}, "TRAINER_VLLM_LOG_PREFIX: prefix '.hidden' must be"),
+        ({"TRAINER_VLLM_POLL_SECONDS": "0"}, "poll_seconds '0' must be positive"),
+    ],
+)
+def test_a_bad_setting_names_its_variable(env, message):
+    with pytest.raises(UserError) as error:
+        PluginConfig.from_env(env)
+    assert message in str(error.value)
+
+
+def test_a_bad_file_names_itself(tmp_path):
+    path = tmp_path / "plugin.json"
+    path.write_text(json.dumps({"log_dri": "a"}))
+    with pytest.raises(UserError, match=f"{path}: expected a JSON object with keys among"):
+        PluginConfig.from_env({"TRAINER_VLLM_CONFIG": str(path)})
+    path.write_text("{")
+    with pytest.raises(UserError, match="not a readable JSON file"):
+        PluginConfig.from_env({"TRAINER_VLLM_CONFIG": str(path)})
+
+
+def test_export_check_without_vllms_environment_says_how_and_writes_nothing(tmp_path, monkeypatch):
+    from trainer.export.cli import main
+
+    monkeypatch.delenv("TRAINER_VLLM_PYTHON", raising=False)
+    out = tmp_path / "export"
+    with pytest.raises(UserError, match=r"--check vllm needs vLLM's python .*\.ci/vllm_env"):
+        main(["checkpoints/eagle3_tiny", "--format", "speculators", "--out", str(out), "--check", "vllm"])
+    assert not out.exists()

@@ -1,0 +1,1 @@
+"""Integrations with inference engines that run the project's code inside their own processes (vLLM: ``vllm``)."""

@@ -1,0 +1,19 @@
+"""The vLLM plugin (entry point ``vllm.general_plugins``: ``trainer``): verifier logs from a vLLM server.
+
+vLLM calls :func:`register` in each of its processes. It does nothing unless configured
+(:mod:`trainer.integrations.vllm.config`); configured, it checks the vLLM release and installs the hooks of
+:mod:`trainer.integrations.vllm.hooks`. Install into vLLM's own environment with ``.ci/vllm_env``.
+"""
+
+from __future__ import annotations
+
+from trainer.integrations.vllm.config import PluginConfig
+
+
+def register() -> None:
+    config = PluginConfig.from_env()
+    if not config.enabled:
+        return
+    from trainer.integrations.vllm.hooks import install
+
+    install(config)
