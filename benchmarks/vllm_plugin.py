@@ -11,7 +11,7 @@
 
 Run in vLLM's environment (``.ci/vllm_env``)::
 
-    OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_plugin.py --pairs 3
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_plugin.py --pairs 3 [--smoke]
 """
 
 from __future__ import annotations
@@ -86,7 +86,10 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--swaps", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="one pair of 2 prompts x 8 tokens, one swap")
     args = parser.parse_args()
+    if args.smoke:
+        args.pairs, args.limit, args.max_tokens, args.swaps = 1, 2, 8, 1
     from trainer.export import export
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -291,3 +291,15 @@ def test_sampled_speculation_accepts_like_our_engine_and_repeats_under_a_seed(tm
     assert ours_rate > 0.05, ours_rate
     print(f"sampled acceptance at T = 0.7: vLLM {vllm_rate:.3f}, ours {ours_rate:.3f}")
     assert 0.5 * ours_rate < vllm_rate < 2 * ours_rate, (vllm_rate, ours_rate)
+
+
+def test_the_plugin_benchmark_runs_in_smoke_mode(tmp_path):
+    """benchmarks/vllm_plugin.py (logging overhead, swap latency) stays alive: one pair and one swap."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    result = subprocess.run(
+        [sys.executable, "benchmarks/vllm_plugin.py", "--smoke"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "logging overhead: median ratio" in result.stdout and "swap: 1 swaps" in result.stdout
