@@ -218,3 +218,38 @@ def test_a_request_ends_when_the_engine_thread_is_gone(target, tokenizer):
     thread.join(60)
     assert answers, "the request was still waiting after 60 s"
     assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "engine_stopped"
+
+
+class BrokenLog:
+    """A verifier-log writer whose disk is full: every record raises, as ``LogWriter.write`` re-raises a failure
+    of its writer thread."""
+
+    def write(self, record: dict) -> None:
+        raise OSError(28, "No space left on device")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_log_that_cannot_take_records_never_keeps_a_request_waiting(target, tokenizer):
+    """A failed step or request record is counted (phase "log") and the request still ends with its output, the
+    next one too: logging is never why a client waits or gets an error."""
+    engine = BatchEngine(target, None, ("none",), Fixed("none", 0))
+    worker = Worker(engine, Metrics(), MODEL, None, None, writer=BrokenLog())
+    worker.start()
+    try:
+        client = TestClient(build_app(worker, tokenizer, MODEL, Limits(context=2048, max_tokens=64)))
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+        answers: list = []
+        post = lambda: client.post("/v1/completions", json=body)  # noqa: E731
+        thread = threading.Thread(target=lambda: answers.extend(post() for _ in "ab"))
+        thread.start()
+        thread.join(60)
+        assert len(answers) == 2, "a request was still waiting after 60 s"
+        assert [a.status_code for a in answers] == [200, 200]
+        assert {a.json()["choices"][0]["finish_reason"] for a in answers} == {"length"}
+        # Two requests: at least one step record and one request record each failed and were counted.
+        assert metric(client, 'trainer_engine_errors_total{phase="log"}') >= 4
+        assert worker.identities == {}
+    finally:
+        worker.stop()

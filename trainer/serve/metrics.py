@@ -9,8 +9,9 @@
   controller's τ estimate per arm; ``trainer_tokens_total``;
   ``trainer_requests_total{status}``;
 - ``trainer_engine_errors_total{phase}``: engine failures by phase, ``prefill``, ``step`` or ``bookkeeping``
-  (the engine loop's other work); their requests ended with a 5xx error and the server serves on. Counted apart
-  from quarantined snapshots.
+  (the engine loop's other work), whose requests ended with a 5xx error while the server serves on; and ``log``,
+  a verifier-log record that could not be written (its request is served all the same). Counted apart from
+  quarantined snapshots.
 """
 
 from __future__ import annotations

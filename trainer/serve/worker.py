@@ -166,14 +166,25 @@ class Worker:
         version = row.request.drafter_version if neural else None
         reads_adjacency = BUILDERS[row.event.builder].session in (RecyclingSession, GraftSession)
         adjacency = self.adjacency_version if reads_adjacency else None
-        self._recorder(self.identities[id(row.request)], drafter, version, adjacency)(row.event)
+        try:
+            self._recorder(self.identities[id(row.request)], drafter, version, adjacency)(row.event)
+        except Exception as e:  # a log that cannot take a record must not end the batch's requests
+            self._log_failed(e)
 
     def _on_finish(self, request: BatchRequest) -> None:
         identity = self.identities.pop(id(request))
         self.metrics.requests.labels(request.finish_reason or "unknown").inc()
-        if self.writer is not None:
+        if self.writer is None:
+            return
+        try:
             recorder = self._recorder(identity, None, None)
             recorder.finish(request.prompt.tolist(), list(request.tokens), request.prefill_topk)
+        except Exception as e:  # the client still gets its end (the caller delivers it after this returns)
+            self._log_failed(e)
+
+    def _log_failed(self, error: Exception) -> None:
+        LOG.error("verifier log: a record could not be written", exc_info=error)
+        self.metrics.engine_errors.labels("log").inc()
 
     def reload(self) -> None:
         """Load the newest version of every watched directory that changed; a failure keeps the old one."""

@@ -43,6 +43,7 @@ On CPU with the shipped tiny target::
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from collections.abc import Callable
@@ -61,6 +62,8 @@ from trainer.spec.options import TreeOptions
 from trainer.spec.verify import GREEDY, Sampling, accept, committed
 from trainer.target import capture_layers, layer_features
 from trainer.vlog.schema import MIN_TOPK
+
+LOG = logging.getLogger("trainer.decoding")
 
 
 @dataclass(eq=False)
@@ -449,12 +452,15 @@ class BatchEngine:
     def _fail(self, phase: str, requests: list[BatchRequest], error: BaseException) -> None:
         """End ``requests`` with finish reason "error" after ``phase`` raised ``error``; tell ``on_failure``."""
         message = f"engine {phase} failed: {type(error).__name__}: {error}"
-        for request in requests:
-            if not request.finished:
-                request.error = message
+        ended = [r for r in requests if not r.finished]
+        for request in ended:
+            request.error = message
+            try:
                 self._finish(request, "error")
+            except Exception:  # one consumer whose callback raises must not keep the other requests from ending
+                LOG.exception("a failed request's end could not be delivered to its caller")
         if self.on_failure is not None:
-            self.on_failure(phase, requests, error)
+            self.on_failure(phase, ended, error)
 
     def abort(self, phase: str, error: BaseException) -> None:
         """End every request in the batch with an error and empty it (its cache may be torn: a forward that raised
