@@ -119,3 +119,12 @@ def test_serve_loads_bfloat16_weights_and_reloads_drafters_in_them(tmp_path):
     worker.reload()
     assert engine.drafter_version == 1 and engine.drafter is not drafter
     assert {p.dtype for p in engine.drafter.parameters()} == {torch.bfloat16}
+
+
+def test_the_bandit_refuses_float16(capsys, tmp_path, monkeypatch):
+    """Its candidates train under autocast in the given dtype: float16 without a loss scaler would underflow."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main([*COMMANDS["adapt bandit"], "--dtype", "float16"])
+    assert exc.value.code == 2
+    assert "--dtype 'float16'" in capsys.readouterr().err and list(tmp_path.iterdir()) == []

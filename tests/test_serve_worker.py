@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer.adapt.publish import publish
-from trainer.data.render import stop_token_ids
-from trainer.serve.app import Limits, build_app
+from trainer.data.render import end_of_text_ids, stop_token_ids
+from trainer.serve.app import Limits, build_app, stop_ids_of
 from trainer.serve.metrics import Metrics
 from trainer.serve.worker import Identity, Worker
 from trainer.spec.batch import BatchEngine, BatchRequest, Fixed
@@ -253,3 +253,14 @@ def test_a_log_that_cannot_take_records_never_keeps_a_request_waiting(target, to
         assert worker.identities == {}
     finally:
         worker.stop()
+
+
+def test_a_template_without_a_one_token_end_of_turn_still_serves(caplog):
+    """A chat template that puts nothing after an assistant turn has no end-of-turn token: the server stops at
+    end-of-text tokens, says so in its log, and starts (it refused to start)."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TARGET)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    with caplog.at_level("WARNING", logger="trainer.serve"):
+        stops = stop_ids_of(tokenizer, None)
+    assert stops == frozenset(end_of_text_ids(tokenizer, None)) and tokenizer.eos_token_id in stops
+    assert "end-of-text tokens only" in caplog.text

@@ -265,7 +265,11 @@ class BanditDaemon:
         current = read_current(self.publish_dir)
         if current is None:
             raise UserError(f"nothing is published under {self.publish_dir}")
-        return load_drafter(current[1]).to(self.device)
+        return self._load_drafter(current[1])
+
+    def _load_drafter(self, directory: Path) -> torch.nn.Module:
+        """A published version's drafter on the daemon's device (float32 weights; its compute runs under autocast)."""
+        return load_drafter(directory).to(self.device)
 
     def _live(self, version: int | None) -> LiveTau:
         obj = self.state["live"].get(str(version))
@@ -384,7 +388,7 @@ class BanditDaemon:
 
     def _republish(self, version: int, why: str) -> int:
         """Publish the drafter of an earlier version again, as a new version."""
-        model = load_drafter(self.publish_dir / f"v{version:06d}")
+        model = self._load_drafter(self.publish_dir / f"v{version:06d}")
         new = publish(self.publish_dir, model.save_pretrained, {"kind": "drafter", "rollback_of": version, "why": why})
         self.state["trained_at"][str(new)] = self.state["trained_at"].get(str(version), 0)
         self.state["previous"], self.state["version"] = None, new

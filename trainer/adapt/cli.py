@@ -96,6 +96,9 @@ def main(argv: list[str]) -> None:
     if argv[0] == "bandit":
         args = bandit_parser().parse_args(argv[1:])
         device, dtype = parse_device(args.device), parse_dtype(args.dtype)
+        if dtype is torch.float16:
+            # Its candidates train under autocast; float16 gradients underflow without a loss scaler.
+            raise UserError("--dtype 'float16': the bandit trains its candidates in it; use bfloat16 or float32")
         config = BanditConfig(**{name: getattr(args, name) for name in asdict(BANDIT)})
         code = run_bandit(
             args.logs, args.drafter, args.publish, args.state, args.once, args.target, config, args.poll_seconds,

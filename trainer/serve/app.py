@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,9 +29,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
 from trainer.data.render import end_of_text_ids, stop_token_ids
+from trainer.errors import UserError
 from trainer.serve.worker import Identity, Worker, new_request_id, seeded_generator
 from trainer.spec.batch import BatchRequest
 from trainer.spec.verify import Sampling
+
+LOG = logging.getLogger("trainer.serve")
 
 
 @dataclass(frozen=True)
@@ -110,9 +114,13 @@ LIVENESS_SECONDS = 1.0
 
 def stop_ids_of(tokenizer: PreTrainedTokenizerBase, eos_token_id: int | list[int] | None) -> frozenset[int]:
     """What every request stops at: the chat template's end-of-turn token and the end-of-text tokens of the
-    tokenizer and of the target's generation config (``eos_token_id``); without a chat template, the latter."""
+    tokenizer and of the target's generation config (``eos_token_id``); without a chat template, or with one whose
+    end of turn is not a single token, the latter (a server says so in its log and serves on)."""
     if tokenizer.chat_template:
-        return frozenset(stop_token_ids(tokenizer, eos_token_id))
+        try:
+            return frozenset(stop_token_ids(tokenizer, eos_token_id))
+        except UserError as e:
+            LOG.warning("chat requests stop at end-of-text tokens only: %s", e)
     return frozenset(end_of_text_ids(tokenizer, eos_token_id))
 
 
