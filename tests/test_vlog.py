@@ -10,9 +10,11 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainer.errors import UserError
 from trainer.vlog.reader import LogReader
+from trainer.vlog.recorder import _log_softmax
 from trainer.vlog.schema import RecordError, request_record, step_record, validate
 from trainer.vlog.writer import LogWriter
 
@@ -508,3 +510,13 @@ def test_eval_logs_reproduce_every_speculative_run(tmp_path):
         # Only the last step may commit less than it accepted (max_new_tokens).
         assert committed[: len(output)] == output and len(committed) - len(output) <= len(new) - 1
         assert len(output) == 12
+
+
+def test_the_recorders_scratch_serves_callers_in_and_out_of_inference_mode():
+    """The engine's step records under inference mode; a later record on the same thread outside it (a test, an
+    eval) must not meet the inference tensor the first one left as scratch."""
+    logits = torch.randn(3, 50)
+    with torch.inference_mode():
+        inside = _log_softmax(logits).clone()
+    outside = _log_softmax(logits[:2])
+    assert torch.allclose(inside, logits.log_softmax(-1)) and torch.allclose(outside, logits[:2].log_softmax(-1))

@@ -41,7 +41,10 @@ def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
         return logits.log_softmax(-1)
     out = getattr(_scratch, "out", None)
     if out is None or out.dtype != logits.dtype or out.numel() < logits.numel():
-        out = _scratch.out = torch.empty(logits.numel(), dtype=logits.dtype)
+        # A normal tensor even when made under inference mode (the engine's step): a later caller of this thread
+        # outside inference mode could not write into an inference tensor.
+        with torch.inference_mode(False):
+            out = _scratch.out = torch.empty(logits.numel(), dtype=logits.dtype)
     return torch.log_softmax(logits, -1, out=out[: logits.numel()].view(logits.shape))
 
 
