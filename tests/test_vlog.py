@@ -496,6 +496,8 @@ def test_eval_logs_reproduce_every_speculative_run(tmp_path):
     for name, req in requests.items():
         steps = [r for r in records if r["kind"] == "step" and r["request"] == name]
         assert [s["step"] for s in steps] == list(range(len(steps))) and steps
+        # The drafter drafts DDTree's steps; recycling's are drafter-free (docs/verifier_log.md).
+        assert {s["drafter"] for s in steps} == ({None} if "/recycling/" in name else {str(tmp_path / "dflash")})
         output, committed = req["output_ids"], req["output_ids"][:1]
         for s in steps:
             # The root is the last committed token, at the position after the context.

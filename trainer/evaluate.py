@@ -39,7 +39,7 @@ from trainer.devices import add_device_arguments, parse_device, parse_dtype
 from trainer.errors import ArgumentParser, UserError
 from trainer.io import write_text_atomic
 from trainer.paths import project_path
-from trainer.spec.drafting import GraftSession, RecyclingSession, load_drafter
+from trainer.spec.drafting import DraftSession, GraftSession, RecyclingSession, load_drafter
 from trainer.spec.engine import BUILDERS, DEFAULT_OPTIONS, Generation, generate, make_session
 from trainer.spec.options import TreeOptions
 from trainer.spec.verify import Sampling
@@ -232,6 +232,10 @@ def evaluate(
     baseline = {c: Totals() for c in conditions}
     baseline_outputs: dict[str, list[list[int]]] = {c: [] for c in conditions}
 
+    def drafts(tree: str) -> bool:
+        # Plain decoding and recycling draft without the drafter; their step records name none.
+        return BUILDERS[tree].session not in (DraftSession, RecyclingSession)
+
     def run(cond: str, tree: str, budget: int, i: int, logged: bool = False) -> Generation:
         key = (cond, tree, budget)
         if tree == "recycling":
@@ -245,7 +249,7 @@ def evaluate(
         if logged and log is not None:
             recorder = StepRecorder(
                 log, server="eval", request=f"{cond}/{tree}/{budget}/{prompts[i]['id']}", tenant=None,
-                shareable=True, drafter=drafter_name, drafter_version=None,
+                shareable=True, drafter=drafter_name if drafts(tree) else None, drafter_version=None,
             )  # fmt: skip
         g = generate(
             target, session, BUILDERS[tree], encoded[i], max_new_tokens, budget, conditions[cond], gen, stop_token_ids,

@@ -77,7 +77,9 @@ def end_of_text_ids(tokenizer: PreTrainedTokenizerBase, eos_token_id: int | Sequ
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, eos_token_id: int | Sequence[int] | None = None) -> list[int]:
     """The ids generation stops at: the chat template's end-of-turn marker as one token (``<|im_end|>`` for
     Qwen3, ``<|eot_id|>`` for Llama 3), then :func:`end_of_text_ids`, without repeats. Regeneration and the server
-    both stop by it. A tokenizer without a chat template, or whose marker is not one token, is a UserError."""
+    both stop by it; the server passes the target's ``generation_config.eos_token_id`` as ``eos_token_id`` (for
+    Llama 3 that adds ``<|eom_id|>``), regeneration writes whole assistant turns and passes none. A tokenizer
+    without a chat template, or whose marker is not one token, is a UserError."""
     if not tokenizer.chat_template:
         raise UserError(f"the tokenizer {tokenizer.name_or_path} has no chat template: no end-of-turn token")
     marker = turn_end_marker(tokenizer)

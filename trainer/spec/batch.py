@@ -428,8 +428,8 @@ class BatchEngine:
     def _prompt_logits(self, sessions: list[DraftSession], speculating: bool) -> bool:
         """Prefill computes every prompt position's logits when a session learns from them and either the policy
         is drafting (``speculating``) or the verifier log wants the prompt's top-k (``prefill_topk``, the graft
-        daemon's evidence). Otherwise only the last position's: a request's own session then learns from that one
-        (a Graft session's memory, ``RecyclingSession.start``); the shared adjacency learns nothing then."""
+        daemon's evidence). Otherwise only the last position's, and the shared adjacency learns nothing from the
+        prompt (Graft sessions here read the engine's adjacency and never teach it themselves)."""
         needed = any(s.needs_prompt_logits for s in sessions)
         return needed and (self.prefill_topk > 0 or speculating)
 
