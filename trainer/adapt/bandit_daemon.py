@@ -2,10 +2,10 @@
 
 Run it next to a log directory whose step records carry the published version as ``drafter_version``
 (``--device cpu`` runs it on the CPU; by default it takes the first GPU, where a second copy of the target in
-``--dtype`` must fit beside the server's). A version is judged only on the steps its drafter drafted: a step with ``drafter`` null
-(plain decoding, recycling), a ``drafter_version`` that is null or not one published here, or another drafter's
-name than the version's first steps carried does not enter any version's live τ, and ``ignored_steps`` in the
-metrics counts such steps per reason::
+``--dtype`` must fit beside the server's). A version is judged only on the steps its drafter drafted: a step
+with ``drafter`` null (plain decoding, recycling), a ``drafter_version`` that is null or not one published here,
+or another drafter's name than the version's first steps carried does not enter any version's live τ, and
+``ignored_steps`` in the metrics counts such steps per reason::
 
     trainer adapt bandit --logs runs/logs --drafter checkpoints/treeflash --publish runs/drafters --once
 
