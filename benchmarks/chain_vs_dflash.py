@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer.spec.drafting import load_drafter
-from trainer.spec.engine import BUILDERS, generate, make_session
+from trainer.decoding.drafting import load_drafter
+from trainer.decoding.engine import BUILDERS, generate, make_session
 
 
 @torch.no_grad()

@@ -31,13 +31,13 @@ import torch
 from serve import configurations, request_prompts  # benchmarks/serve.py, beside this script
 from transformers import AutoTokenizer
 
+from trainer.decoding.batch import BatchEngine, BatchRequest
+from trainer.decoding.controller import policy_for
+from trainer.decoding.drafting import load_drafter
+from trainer.decoding.options import TreeOptions
+from trainer.decoding.verify import Sampling
 from trainer.paths import project_path
 from trainer.serve.worker import seeded_generator
-from trainer.spec.batch import BatchEngine, BatchRequest
-from trainer.spec.controller import policy_for
-from trainer.spec.drafting import load_drafter
-from trainer.spec.options import TreeOptions
-from trainer.spec.verify import Sampling
 from trainer.target import load_causal_lm
 
 CONCURRENCY = (1, 4, 8)

@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from trainer.decoding.drafting import load_drafter
+from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.options import TreeOptions
+from trainer.decoding.verify import Sampling
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.evaluate import Totals, read_prompts
-from trainer.spec.drafting import load_drafter
-from trainer.spec.engine import BUILDERS, generate, make_session
-from trainer.spec.options import TreeOptions
-from trainer.spec.verify import Sampling
 
 
 def parse_row(text: str) -> dict:

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from trainer.decoding.drafting import RecyclingSession, TreeFlashSession
+from trainer.decoding.options import TreeOptions
+from trainer.decoding.tree import Tree, chain, ddtree, recycling_template, retrieval, treeflash
+from trainer.decoding.verify import tree_attention_mask
 from trainer.drafters.treeflash import TreeFlashDraftModel
-from trainer.spec.drafting import RecyclingSession, TreeFlashSession
-from trainer.spec.options import TreeOptions
-from trainer.spec.tree import Tree, chain, ddtree, recycling_template, retrieval, treeflash
-from trainer.spec.verify import tree_attention_mask
 
 
 def median_seconds(fn, repeats: int) -> float:

@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from trainer.decoding.drafting import load_drafter
+from trainer.decoding.engine import BUILDERS, StepEvent, generate, make_session
 from trainer.sampling import top_rows
-from trainer.spec.drafting import load_drafter
-from trainer.spec.engine import BUILDERS, StepEvent, generate, make_session
 from trainer.vlog.reader import LogReader
 from trainer.vlog.recorder import StepRecorder
 from trainer.vlog.schema import MIN_TOPK, step_record

@@ -13,6 +13,7 @@ import yaml
 from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
 
 from trainer.cli import main
+from trainer.decoding.drafting import load_drafter
 from trainer.drafters import attention
 from trainer.drafters.attention import (
     block_rule,
@@ -26,7 +27,6 @@ from trainer.drafters.common import SdpaDrafter
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.errors import UserError
 from trainer.paths import project_path
-from trainer.spec.drafting import load_drafter
 from trainer.target import Target, load_causal_lm
 from trainer.training.step import context_batch, default_options, step_loss, target_layer_ids
 

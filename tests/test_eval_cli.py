@@ -151,8 +151,8 @@ def publish_adjacency(root, version: int, adjacency) -> None:
 def test_eval_starts_graft_warm_from_a_published_snapshot(setup, capsys, tmp_path):
     import torch
 
+    from trainer.decoding.drafting import RecyclingSession
     from trainer.evaluate import refresh_adjacency
-    from trainer.spec.drafting import RecyclingSession
 
     vocab = json.loads((setup / "target" / "config.json").read_text())["vocab_size"]
     publish = tmp_path / "publish"
@@ -219,9 +219,9 @@ def test_eval_speedup_at_tau_one_is_at_most_one(setup):
     GPU run) or a ratio taken the wrong way round would read above 1 here."""
     import torch
 
+    from trainer.decoding.drafting import load_drafter
+    from trainer.decoding.verify import Sampling
     from trainer.evaluate import evaluate
-    from trainer.spec.drafting import load_drafter
-    from trainer.spec.verify import Sampling
     from trainer.target import load_causal_lm
 
     target = load_causal_lm(str(setup / "target"))

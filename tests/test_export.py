@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from trainer.cli import main as cli_main
+from trainer.decoding.drafting import load_drafter
+from trainer.decoding.engine import BUILDERS, generate, make_session
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.dflash import build_config as dflash_config
 from trainer.drafters.eagle3 import Eagle3DraftModel
@@ -27,8 +29,6 @@ from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
 from trainer.export import speculators, write_export
 from trainer.export.source import load_source
-from trainer.spec.drafting import load_drafter
-from trainer.spec.engine import BUILDERS, generate, make_session
 from trainer.target import Target, decoder_layers
 
 H = 32

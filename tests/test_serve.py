@@ -23,9 +23,9 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer.adapt.publish import publish
+from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.verify import GREEDY, Sampling
 from trainer.serve.process import ServerProcess
-from trainer.spec.engine import BUILDERS, generate, make_session
-from trainer.spec.verify import GREEDY, Sampling
 from trainer.vlog.schema import validate
 
 MODEL = "target_tiny"

@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer.adapt.publish import publish
 from trainer.data.render import end_of_text_ids, stop_token_ids
+from trainer.decoding.batch import BatchEngine, BatchRequest, Fixed
+from trainer.decoding.drafting import load_drafter
 from trainer.serve.app import Limits, build_app, stop_ids_of
 from trainer.serve.metrics import Metrics
 from trainer.serve.worker import Identity, Worker
-from trainer.spec.batch import BatchEngine, BatchRequest, Fixed
-from trainer.spec.drafting import load_drafter
 from trainer.vlog.schema import validate
 from trainer.vlog.writer import LogWriter
 

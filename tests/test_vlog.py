@@ -388,9 +388,9 @@ while True:
 def test_recorder_logs_the_targets_topk_whether_reduced_here_or_on_the_writer_thread(tmp_path, max_deferred):
     import torch
 
+    from trainer.decoding.engine import StepEvent
+    from trainer.decoding.tree import Tree
     from trainer.sampling import top_rows
-    from trainer.spec.engine import StepEvent
-    from trainer.spec.tree import Tree
     from trainer.vlog.recorder import StepRecorder
 
     torch.manual_seed(0)

@@ -35,14 +35,14 @@ from rich.progress import Progress
 from transformers import AutoTokenizer, PreTrainedModel
 
 from trainer.adapt.publish import load_adjacency, read_current
+from trainer.decoding.drafting import DraftSession, GraftSession, RecyclingSession, load_drafter
+from trainer.decoding.engine import BUILDERS, DEFAULT_OPTIONS, Generation, generate, make_session
+from trainer.decoding.options import TreeOptions
+from trainer.decoding.verify import Sampling
 from trainer.devices import add_device_arguments, parse_device, parse_dtype
 from trainer.errors import ArgumentParser, UserError
 from trainer.io import write_text_atomic
 from trainer.paths import project_path
-from trainer.spec.drafting import DraftSession, GraftSession, RecyclingSession, load_drafter
-from trainer.spec.engine import BUILDERS, DEFAULT_OPTIONS, Generation, generate, make_session
-from trainer.spec.options import TreeOptions
-from trainer.spec.verify import Sampling
 from trainer.target import load_causal_lm
 from trainer.textstats import ends_in_loop, ngram_repetition
 from trainer.vlog.recorder import StepRecorder
@@ -399,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
         "specblock_launch_greedy, specblock_rounds, specblock_blocks_per_round, recycling_width, "
         "recycling_decay, recycling_max_depth, graft_checkpoints (0,1,5), graft_thresholds (0.3,0.1,0.02), "
         "graft_confidence (best|mass|top1), graft_draft_share (0.25,0.5,0.75,1), graft_retrieval "
-        "(trainer/spec/options.py)",
+        "(trainer/decoding/options.py)",
     )
     p.add_argument(
         "--adjacency",

@@ -1,5 +1,5 @@
 """Functions over next-token distributions, each defined once: nucleus (top-p) filtering and the draw of a token,
-shared by speculative verification (``trainer.spec.verify``) and data regeneration (``trainer.data.regenerate``),
+shared by speculative verification (``trainer.decoding.verify``) and data regeneration (``trainer.data.regenerate``),
 so that both sample from the same warped distribution the same way; and the exact top-k of vocabulary-wide rows
 that greedy verification, the verifier log's recorder and Token Recycling's adjacency take every step."""
 

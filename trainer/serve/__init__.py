@@ -1,4 +1,4 @@
-"""``trainer serve``: an OpenAI-compatible HTTP server over the batched engine (trainer/spec/batch.py).
+"""``trainer serve``: an OpenAI-compatible HTTP server over the batched engine (trainer/decoding/batch.py).
 
 - ``cli``: the command; ``app``: the FastAPI routes, request validation and OpenAI-shaped errors;
 - ``worker``: the engine thread, hot reload of published snapshots, verifier-log records;

@@ -29,10 +29,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
 from trainer.data.render import end_of_text_ids, stop_token_ids
+from trainer.decoding.batch import BatchRequest
+from trainer.decoding.verify import Sampling
 from trainer.errors import UserError
 from trainer.serve.worker import Identity, Worker, new_request_id, seeded_generator
-from trainer.spec.batch import BatchRequest
-from trainer.spec.verify import Sampling
 
 LOG = logging.getLogger("trainer.serve")
 

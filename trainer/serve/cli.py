@@ -5,7 +5,7 @@
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"model": "target_tiny", "prompt": "def main(", "max_tokens": 32}'
 
-``--tree auto`` (the default) lets the cost-aware controller (trainer/spec/controller.py) choose every step
+``--tree auto`` (the default) lets the cost-aware controller (trainer/decoding/controller.py) choose every step
 between plain decoding, recycling and the drafter's ``--neural-tree`` builder at several budgets; a builder
 name pins that builder at ``--budget``.
 """
@@ -22,17 +22,17 @@ from pathlib import Path
 import uvicorn
 from transformers import AutoTokenizer, PreTrainedModel
 
+from trainer.decoding.batch import BatchEngine
+from trainer.decoding.controller import policy_for
+from trainer.decoding.drafting import DraftSession, RecyclingSession, load_drafter
+from trainer.decoding.engine import BUILDERS
+from trainer.decoding.options import TreeOptions
 from trainer.devices import add_device_arguments, parse_device, parse_dtype
 from trainer.errors import UserError
 from trainer.paths import project_path
 from trainer.serve.app import Limits, build_app
 from trainer.serve.metrics import Metrics
 from trainer.serve.worker import Worker
-from trainer.spec.batch import BatchEngine
-from trainer.spec.controller import policy_for
-from trainer.spec.drafting import DraftSession, RecyclingSession, load_drafter
-from trainer.spec.engine import BUILDERS
-from trainer.spec.options import TreeOptions
 from trainer.target import load_causal_lm
 from trainer.vlog.writer import LogWriter
 

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from trainer.spec.batch import RowStep
+from trainer.decoding.batch import RowStep
 
 # Weight of the newest step in the moving averages.
 DECAY = 0.05

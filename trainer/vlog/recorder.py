@@ -22,8 +22,8 @@ import threading
 import numpy as np
 import torch
 
+from trainer.decoding.engine import StepEvent
 from trainer.sampling import top_rows
-from trainer.spec.engine import StepEvent
 from trainer.vlog.schema import MIN_TOPK, request_record, step_record
 from trainer.vlog.writer import LogWriter
 

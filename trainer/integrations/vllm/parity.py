@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.options import TreeOptions
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import ArgumentParser, UserError
@@ -32,8 +34,6 @@ from trainer.export import formats_for, write_export
 from trainer.export.dflash import as_dflash
 from trainer.export.source import load_source
 from trainer.paths import project_path
-from trainer.spec.engine import BUILDERS, generate, make_session
-from trainer.spec.options import TreeOptions
 
 DEFAULT_PROMPTS = "data/prompts/stdlib_heldout.jsonl"
 # KV cache of one in-process engine: ample for a few short prompts, small beside other processes' memory.

@@ -24,6 +24,7 @@ import torch
 from prometheus_client import Counter
 
 from trainer.adapt.publish import read_current
+from trainer.decoding.drafting import load_drafter
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
@@ -31,7 +32,6 @@ from trainer.export.dflash import as_dflash
 from trainer.export.speculators import dflash_layout, eagle3_layout
 from trainer.export.speculators import load as load_speculators
 from trainer.integrations.vllm.config import PluginError
-from trainer.spec.drafting import load_drafter
 
 logger = logging.getLogger("trainer.vllm")
 

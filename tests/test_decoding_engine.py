@@ -9,6 +9,11 @@ import torch
 from conftest import ROOT, TINY_TARGET, chi2_pvalue, qwen3_config, reference_dflash_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
 
+from trainer.decoding.drafting import RecyclingSession, load_drafter
+from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.options import TreeOptions
+from trainer.decoding.tree import Tree
+from trainer.decoding.verify import Sampling
 from trainer.drafters.dflash import DFlashDraftModel, build_config
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.eagle3 import build_config as eagle3_config
@@ -17,11 +22,6 @@ from trainer.drafters.specblock import build_config as specblock_config
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
-from trainer.spec.drafting import RecyclingSession, load_drafter
-from trainer.spec.engine import BUILDERS, generate, make_session
-from trainer.spec.options import TreeOptions
-from trainer.spec.tree import Tree
-from trainer.spec.verify import Sampling
 
 # Graft pruned at its first checkpoint every step: one drafter forward, a quarter of the budget drafted, the
 # rest grafted from the adjacency matrix.

@@ -6,8 +6,9 @@ or a draw from the target's warped distribution), and the walk moves to the chil
 committed tokens are therefore exactly what the target alone would have produced (greedy) or distributed
 exactly as the target's samples (sampling), whatever the tree. Pure functions; on CPU::
 
-    python -c "import torch; from trainer.spec.tree import Tree; from trainer.spec.verify import accept_greedy; \\
-        t = Tree.from_lists([5, 7, 8], [-1, 0, 1]); print(accept_greedy(t, torch.eye(10)[[7, 9, 1]]))"
+    python -c "
+    import torch; from trainer.decoding.tree import Tree; from trainer.decoding.verify import accept_greedy
+    t = Tree.from_lists([5, 7, 8], [-1, 0, 1]); print(accept_greedy(t, torch.eye(10)[[7, 9, 1]]))"
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from trainer.decoding.tree import Tree
 from trainer.masks import additive_mask
 from trainer.sampling import draw, nucleus, top_rows
-from trainer.spec.tree import Tree
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ walks it; the KV cache is compacted to the accepted path; the session is told wh
 
     python -c "
     import torch; from transformers import AutoModelForCausalLM as A
-    from trainer.spec.drafting import load_drafter; from trainer.spec.engine import BUILDERS, generate, make_session
+    from trainer.decoding.drafting import load_drafter
+    from trainer.decoding.engine import BUILDERS, generate, make_session
     t = A.from_pretrained('checkpoints/target_tiny', dtype=torch.float32).eval()
     s = make_session('ddtree', t, load_drafter('checkpoints/dflash_tiny'))
     g = generate(t, s, BUILDERS['ddtree'], torch.tensor([1, 2, 3]), 32, budget=16)
@@ -28,12 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from trainer.drafters.eagle3 import Eagle3DraftModel
-from trainer.drafters.specblock import SpecBlockDraftModel
-from trainer.drafters.treeflash import TreeFlashDraftModel
-from trainer.errors import UserError
-from trainer.sampling import top_rows
-from trainer.spec.drafting import (
+from trainer.decoding.drafting import (
     BlockDraftSession,
     DraftSession,
     Eagle3Session,
@@ -43,8 +39,8 @@ from trainer.spec.drafting import (
     SpecBlockSession,
     TreeFlashSession,
 )
-from trainer.spec.options import TreeOptions
-from trainer.spec.tree import (
+from trainer.decoding.options import TreeOptions
+from trainer.decoding.tree import (
     Tree,
     best_subtree,
     chain,
@@ -59,7 +55,7 @@ from trainer.spec.tree import (
     template_by_prior,
     treeflash,
 )
-from trainer.spec.verify import (
+from trainer.decoding.verify import (
     GREEDY,
     Sampling,
     accept,
@@ -68,6 +64,11 @@ from trainer.spec.verify import (
     growing_cache,
     tree_attention_mask,
 )
+from trainer.drafters.eagle3 import Eagle3DraftModel
+from trainer.drafters.specblock import SpecBlockDraftModel
+from trainer.drafters.treeflash import TreeFlashDraftModel
+from trainer.errors import UserError
+from trainer.sampling import top_rows
 from trainer.target import capture_layers, layer_features
 from trainer.vlog.schema import MIN_TOPK
 

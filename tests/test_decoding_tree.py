@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from trainer.spec.tree import (
+from trainer.decoding.tree import (
     NestedTree,
     Transitions,
     Tree,
@@ -22,7 +22,7 @@ from trainer.spec.tree import (
     template_by_prior,
     treeflash,
 )
-from trainer.spec.verify import Sampling, accept
+from trainer.decoding.verify import Sampling, accept
 
 
 def surrogate(tree: Tree, score) -> float:

@@ -4,7 +4,7 @@ Requests join between steps (each is prefilled alone, then its KV cache joins th
 steps (finished, or cancelled by their client). One step asks the policy for a tree builder and a budget for
 the whole batch, lets every request's own drafting session build its tree, and verifies all trees in one
 target forward. Each request keeps its own positions, sampling generator and stop conditions, so its output
-is the one :func:`trainer.spec.engine.generate` gives it alone (greedy exactly; sampled under its seed, since
+is the one :func:`trainer.decoding.engine.generate` gives it alone (greedy exactly; sampled under its seed, since
 acceptance draws one target sample per committed position from the request's generator).
 
 The KV cache is ragged: ``(B, heads, L, dim)`` with a validity mask ``(B, L)``. A step appends ``T`` columns
@@ -23,7 +23,7 @@ Drafting sessions stay per request, and their drafter work is batched where the 
 Recycling needs no drafter forward, one adjacency is shared by all requests (its hot start) and learns every
 row's verified nodes in one call; block drafters (DFlash and TreeFlash, under chain, DDTree, TreeFlash and
 Graft-DFlash trees) draft every row's block in one drafter forward per drafter
-(:func:`trainer.spec.drafting.draft_blocks`). EAGLE-3 and SpecBlock still draft one request at a time: their
+(:func:`trainer.decoding.drafting.draft_blocks`). EAGLE-3 and SpecBlock still draft one request at a time: their
 trees grow over several forwards whose number and width depend on each row's own frontier. A drafter's session
 captures target features every step, drafting or not, so a request gets one only while the policy says the
 drafter may be used (``Policy.ready``); a builder is chosen only for a batch whose rows all have its session.
@@ -32,7 +32,7 @@ On CPU with the shipped tiny target::
 
     python -c "
     import torch; from transformers import AutoModelForCausalLM as A
-    from trainer.spec.batch import BatchEngine, BatchRequest, Fixed
+    from trainer.decoding.batch import BatchEngine, BatchRequest, Fixed
     t = A.from_pretrained('checkpoints/target_tiny', dtype=torch.float32).eval()
     e = BatchEngine(t, None, ('recycling',), Fixed('recycling', 16))
     rs = [BatchRequest(torch.tensor(p), 24) for p in ([1, 2, 3], [4, 5])]
@@ -54,12 +54,12 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from trainer.decoding.drafting import BlockDraftSession, DraftSession, GraftSession, RecyclingSession, draft_blocks
+from trainer.decoding.engine import BUILDERS, DEFAULT_OPTIONS, Clock, Step, StepEvent, _cache_kwarg, make_session
+from trainer.decoding.options import TreeOptions
+from trainer.decoding.verify import GREEDY, Sampling, accept, committed
 from trainer.masks import additive_mask
 from trainer.sampling import top_rows
-from trainer.spec.drafting import BlockDraftSession, DraftSession, GraftSession, RecyclingSession, draft_blocks
-from trainer.spec.engine import BUILDERS, DEFAULT_OPTIONS, Clock, Step, StepEvent, _cache_kwarg, make_session
-from trainer.spec.options import TreeOptions
-from trainer.spec.verify import GREEDY, Sampling, accept, committed
 from trainer.target import capture_layers, layer_features
 from trainer.vlog.schema import MIN_TOPK
 
@@ -325,7 +325,7 @@ class BatchEngine:
 
     def set_adjacency(self, adjacency: torch.Tensor, version: int | None = None) -> None:
         """Load a published recycling adjacency (V, k) token ids, -1 = empty, by the one merge rule
-        (:meth:`~trainer.spec.drafting.RecyclingSession.set_adjacency`). Call between steps; a wrong shape or id
+        (:meth:`~trainer.decoding.drafting.RecyclingSession.set_adjacency`). Call between steps; a wrong shape or id
         is a UserError and changes nothing."""
         self.recycling.set_adjacency(adjacency, version)
 

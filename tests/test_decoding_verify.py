@@ -7,8 +7,8 @@ from conftest import chi2_pvalue
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from trainer.spec.tree import Tree
-from trainer.spec.verify import (
+from trainer.decoding.tree import Tree
+from trainer.decoding.verify import (
     GrowingLayer,
     Sampling,
     accept,

@@ -105,7 +105,7 @@ where a drafter forward costs about as much as verifying a dozen tokens, the neu
 plain decoding and lose; on an accelerator, where verifying 16-64 tokens costs about one, the same rule picks
 them. On CPU::
 
-    python -c "from trainer.spec.controller import Controller; c = Controller(Controller.arms('ddtree')); \\
+    python -c "from trainer.decoding.controller import Controller; c = Controller(Controller.arms('ddtree')); \\
         print(c.choose(1))"
 """
 
@@ -115,8 +115,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from trainer.spec.batch import Fixed, Policy, RowStep
-from trainer.spec.tree import NestedTree, Tree
+from trainer.decoding.batch import Fixed, Policy, RowStep
+from trainer.decoding.tree import NestedTree, Tree
 
 PLAIN = ("none", 0)
 RECYCLING_BUDGETS = (8, 16, 32)

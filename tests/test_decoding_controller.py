@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from trainer.spec.batch import RowStep
-from trainer.spec.controller import Controller
-from trainer.spec.engine import StepEvent
-from trainer.spec.tree import NestedTree, Tree, chain
+from trainer.decoding.batch import RowStep
+from trainer.decoding.controller import Controller
+from trainer.decoding.engine import StepEvent
+from trainer.decoding.tree import NestedTree, Tree, chain
 
 
 def simulate(costs, accept, batch_sizes, steps=12000, seed=0, schedule=None, **options):

@@ -5,7 +5,7 @@ widths (§4), EAGLE-2's dynamic tree (§6), SpecBlock's growth (§5), the Token-
 Graft's pruning and budget split (§7; ours to choose, the paper publishes neither). Budgets
 are not here: every builder takes its node budget per step, so a controller can change it between steps.
 
-    python -c "from trainer.spec.options import TreeOptions; print(TreeOptions.parse(['eagle_top_k=8']))"
+    python -c "from trainer.decoding.options import TreeOptions; print(TreeOptions.parse(['eagle_top_k=8']))"
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import types
 import typing
 from dataclasses import dataclass
 
+from trainer.decoding.tree import CONFIDENCES
 from trainer.errors import UserError
-from trainer.spec.tree import CONFIDENCES
 
 BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -59,7 +59,7 @@ class TreeOptions:
     # these thresholds, modelled speed was highest; rerun the sweep for another drafter.
     graft_checkpoints: tuple[int, ...] = (0, 1, 5)
     graft_thresholds: tuple[float, ...] = (0.3, 0.1, 0.02)
-    # Graft: the frontier confidence, one of trainer.spec.tree.CONFIDENCES (see frontier_confidence).
+    # Graft: the frontier confidence, one of trainer.decoding.tree.CONFIDENCES (see frontier_confidence).
     graft_confidence: str = "best"
     # Graft: the budget share kept for drafted nodes per stage (a pruning checkpoint, then "not pruned"); the
     # rest goes to the retrieval template from the adjacency matrix, and fills whatever the draft leaves.

@@ -12,12 +12,12 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer.adapt.publish import load_adjacency, publish
+from trainer.decoding.batch import BatchEngine, BatchRequest, Fixed
+from trainer.decoding.drafting import GraftSession, RecyclingSession, draft_blocks, load_drafter
+from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.verify import Sampling
 from trainer.errors import UserError
 from trainer.evaluate import refresh_adjacency
-from trainer.spec.batch import BatchEngine, BatchRequest, Fixed
-from trainer.spec.drafting import GraftSession, RecyclingSession, draft_blocks, load_drafter
-from trainer.spec.engine import BUILDERS, generate, make_session
-from trainer.spec.verify import Sampling
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ could never be the accepted child, it would only waste budget).
 
 Every builder here is a function of tensors and a budget, testable without a model::
 
-    python -c "import torch; from trainer.spec.tree import ddtree; \\
+    python -c "import torch; from trainer.decoding.tree import ddtree; \\
         print(ddtree(torch.randn(4, 10).log_softmax(-1), root=0, budget=6))"
 """
 

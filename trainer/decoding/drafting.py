@@ -15,7 +15,7 @@ verification) and a tree builder asks it for drafts. A session says which target
 
 On CPU, with the shipped tiny models::
 
-    python -c "from trainer.spec.drafting import load_drafter; print(load_drafter('checkpoints/dflash_tiny'))"
+    python -c "from trainer.decoding.drafting import load_drafter; print(load_drafter('checkpoints/dflash_tiny'))"
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from trainer.decoding.tree import Transitions, Tree
+from trainer.decoding.verify import growing_cache
 from trainer.drafters import drafter_class
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.eagle3 import Eagle3DraftModel
@@ -37,8 +39,6 @@ from trainer.errors import UserError
 from trainer.masks import additive_mask
 from trainer.paths import project_path
 from trainer.sampling import top_rows
-from trainer.spec.tree import Transitions, Tree
-from trainer.spec.verify import growing_cache
 
 
 class DraftSession:
@@ -313,7 +313,7 @@ class RecyclingSession(DraftSession):
 
     def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
         # The prompt's last positions whose logits the prefill computed: all of them, or only the last when the
-        # engine's policy was not drafting (trainer/spec/batch.py).
+        # engine's policy was not drafting (trainer/decoding/batch.py).
         self.learn(prompt[prompt.numel() - logits.shape[0] :], logits)
 
     def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:

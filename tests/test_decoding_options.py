@@ -5,12 +5,12 @@ import torch
 from conftest import ROOT, TINY_TARGET
 from transformers import AutoModelForCausalLM
 
+from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.options import TreeOptions
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.eagle3 import build_config as eagle3_config
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
-from trainer.spec.engine import BUILDERS, generate, make_session
-from trainer.spec.options import TreeOptions
 
 
 def test_parse_converts_each_kind():
