@@ -38,10 +38,7 @@ or, continuing stdlib text at the temperature of the evaluation::
         --output data/regenerated/stdlib_tiny.jsonl --prompt_tokens 64 --max_new_tokens 192 --limit 1500 \\
         --temperature 0.7 --batch_size 32
 
-or from Python::
-
-    python -c "from trainer.data.regenerate import regenerate; \\
-        regenerate('checkpoints/target_tiny', ['chats.jsonl'], 'regen.jsonl', max_new_tokens=64)"
+(from Python: :func:`regenerate` with the same arguments).
 """
 
 from __future__ import annotations

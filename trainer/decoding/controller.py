@@ -1,109 +1,12 @@
 """The cost-aware controller: per step, the builder and budget (down to no speculation) that maximise the
 batch's expected tokens per second, from costs and acceptance measured live.
 
-An arm is a (builder, budget) pair: ``("none", 0)`` (plain decoding), drafter-free retrieval
-(``recycling``) and the neural drafter's builder at a few budgets. The rule, per step at batch size ``B``:
-
-- expected throughput of an arm = ``B · τ(arm, B) / cost(arm, B)``, where ``τ(arm, B) = 1 + Σ_d reach_d`` and
-  ``reach_d`` is an exponential moving average, over the rows of steps that used the arm at batch size ``B``, of
-  "the accepted path reached depth ``d``" (the live acceptance by depth; kept per batch size because requests
-  drafting at once share what recycling learns and overwrite each other's rows: recycling@8 accepted 1.64 tokens
-  a row-step at one request and 1.51 at four, and the controller, carrying τ from one request to four, put
-  recycling within the ready margin there while it ran 15% behind; a neural drafter's rows draft each from their
-  own context, so its arms keep one average for every size: kept per size, a drafter arm's figure at one request
-  rested on the few rows of its probes there while it ran thousands at four, and in simulated runs with GPU-like
-  costs ddtree@8, as good as @16 for 10% less, stayed at τ 1.6-1.8 on ~20 rows (its rows' truth 2.3) and the
-  controller ran @16 to the end in 2 of 24 seeds; a size's average starts from the nearest
-  size's, counted as ``tau_prior`` (16) rows, and where the arm has no rows yet it is the nearest size's; a
-  step whose trees are nested, retrieval's, also counts for every smaller budget of the builder, with each row's
-  path cut where the smaller tree ends, ``NestedTree.within``), and
-  ``cost(arm, B)`` is an exponential moving
-  average of the logarithm of the measured wall time of whole steps (drafting, tree, verification, commit)
-  with that arm at that batch size (a geometric mean: one step descheduled on a shared machine does not sink
-  an arm; both averages start as plain means, so early figures are not biased; an arm not measured at ``B``
-  is estimated from another batch size, below), times the machine's current speed. The machine's speed is
-  shared by every arm: ``drift`` follows how much slower or faster than its arm's figure each step ran (rate
-  ``drift_decay``, each step's surprise clipped to ``drift_clip`` in the log; only figures established by more
-  than ``drift_after`` recent measurements count) and an arm's
-  own figure learns only what the drift does not explain: it is the mean of its measurements weighted by their
-  age in steps of the controller, ``(1 - cost_decay)^age`` (about the last 100 steps: a plain mean over an arm's
-  first measurements, an exponential average of rate ``cost_decay`` for an arm measured every step, and for an arm
-  measured once in ``n`` steps mostly its last few). A nested builder's arms are bounded by each other (``tau``).
-  Without it an arm measured minutes ago, while the CPU ran faster, was compared with the running arm's figure
-  of now: on a 2-core machine whose speed wanders by 5-15% over seconds, recycling at four and eight requests,
-  measured 10-20% behind plain decoding, came within the ready margin whenever the machine slowed, and was
-  kept learning and probed meanwhile. The acceptance average spans about ``1 / tau_decay`` rows
-  (100): one row's accepted length varies from 0 to the whole tree, and an arm is left (and stops being
-  measured) just when its average dips, so a short window keeps it low (measured with recycling at one
-  request: a 20-row window estimated τ 1.33 where its steps realised 1.72, and the controller spent 45% of its
-  time on slower plain decoding; 100 rows: 1.55 and 8%);
-- an arm never measured at all is tried first, once; plain decoding is tried at every batch size until it
-  has ``min_samples`` (2) measurements there (the first step at a new size can be an outlier). Another arm's
-  cost at a batch size where it was not measured is its cost at the nearest size ``B'`` where both were,
-  scaled by plain decoding's ``cost(none, B) / cost(none, B')``: optimistic for a drafting arm on a CPU (its
-  verified tokens grow with the batch, plain decoding's only by one per request), and an arm that looks better
-  than it is gets chosen and measured, while one that looks worse may never be. Scaled linearly instead
-  (``B / B'``), plain decoding measured only at small batches looked 2.4 times slower at eight requests than
-  it was (its step there costs 1.6 times its step at one, not 8); a recycling arm measured at eight won,
-  probing plain decoding never fit the budget, and the controller ran at 0.5x plain decoding;
-- probing: while the throughput lost to steps that were not the best estimate stays under ``probe_share`` of
-  recent step time (both sums exponentially weighted, half-life ``probe_half_life`` seconds of step time, so a
-  budget left unspent at one load is not spent all at once at another), plus ``probe_grace`` seconds that fade
-  with the same half-life (so that a fresh server can look around), a step goes to the arm whose figure at
-  this batch size is oldest (among the available arms and those being made ready) once its estimated loss fits
-  in what is left of that budget, so that acceptance that grows (the recycling adjacency learns) or costs that
-  move are noticed; every other step takes the best estimate. Arms are probed in turn, the budget saving up
-  for an expensive one: probing whatever fitted, cheap arms took the budget as it refilled, a neural arm never
-  fitted, and the drafter sessions made ready for its probe rode on every row meanwhile. Whether a probe fits
-  is judged by its estimated loss, ``seconds · (1 - throughput(a) / throughput(best))``; what it is charged is
-  what it realised: its seconds less those the best estimate would have needed for the tokens it committed.
-  The budget is 0.5%: at four or eight requests on a CPU every drafting arm is 25-60% behind plain decoding,
-  so each probe step costs about a third of a step, and 1% made the controller lose 2-3% to plain decoding in
-  process. The budget's share, and the rate at which a neural builder comes due (below), are scaled by what a
-  look is worth: ``ready_margin`` / the loss of the nearest other arm (of the builder's arms) when that is
-  further behind than the margin, so at eight requests on a CPU, recycling 25-30% behind and the drafter
-  50-65%, probing spends about a third of the budget and the drafter comes due every 2-3 minutes. Plain decoding,
-  the figure every other arm is compared with, does not wait in that queue: when it is not the best estimate, it
-  is measured again after ``recheck`` (25) steps at the batch size divided by what a look is worth, on credit. Its
-  first steps at a size can cost 1.6 times its steady step, and in the server at four requests two such
-  measurements put it behind recycling@8; queued behind the drafter's arms, whose probes the budget saved up for,
-  it was not measured again for the whole of a 30 s run, and the controller ran at 0.88x and 0.90x plain decoding
-  in two of six runs; with the re-check it stayed on plain decoding there in five of five. A smaller budget of the
-  best estimate's nested builder (whose acceptance the best estimate's steps measure, so a look buys its cost) is
-  re-checked too, every ``recheck`` steps whatever its estimated loss (a stale cost is what makes it look
-  behind): waiting in the queue behind the drafter's probes, at one request recycling@8 was measured 2-18 times a
-  minute while the controller ran @16 on a stale figure of @8's cost, 3-5% behind a fixed @8 in process. Larger
-  budgets wait in the queue: re-checked as well (their τ, bounded below by the smaller budget's, put them near the
-  best), @16 and @32 took 3% of the steps at one request in the server, 14% and 20% behind @8, and their τ from
-  the few rows of those looks made @16 the best estimate for stretches of a second;
-- readiness: a drafter's sessions capture target features every step, drafting or not, so a request admitted now
-  gets the neural builder's session only while one of its arms is within ``ready_margin`` of the best estimate,
-  was never measured, or the builder has gone ``refresh`` seconds of step time without a measurement of any of its
-  arms (then the rows admitted from now on carry its sessions, and once the batch holds only them its stalest arm
-  is probed at once, on credit against the probing budget: with sessions on every row a step costs more, 3.5% at
-  eight requests, so each arm of the builder going due on its own, each waiting for the budget, kept them riding
-  for most of the time). The controller chooses among the builders every row has the session of. Readiness (and
-  whether recycling keeps learning) is judged at the recent batch size (weighted over ~20 steps), the size a
-  request admitted now will mostly run at: judged at the momentary size, every dip after a request leaves (4 → 3
-  at four clients) made a drafter look near-best and gave the next request its sessions. The margin is 5%, about
-  what being ready costs: every admitted request gets a drafter session or its prompt's logits, and plain steps
-  learn for recycling (in process at four requests a ready controller's plain steps took 11.43 ms against a plain
-  engine's 10.65 ms, 7% more). Being ready also makes the arm better (its adjacency warm), so a margin wider than
-  that cost held itself: at four requests, recycling 15-16% behind, a 10% margin ended ready in three of six
-  runs (0.93-0.95x plain decoding in those), a 5% margin in none of five (0.98-1.00x). An arm whose τ at the
-  size rests on fewer rows than the acceptance window is judged with τ one standard error lower, as far as that
-  error exceeds a full window's (``Acceptance.doubt``): after a stretch at one request, recycling@8's τ at four
-  rested on the prior from one request and ~40 rows of probes (1.63 where a fixed engine realised 1.50), put it 4%
-  behind plain decoding where it ran 15% behind, and the controller stayed ready for 91% of its steps, at 0.93x
-  plain decoding (in process); its rows' spread (a row accepts 0 to the whole tree) makes that error 8% there.
-
-Probing is budgeted in lost throughput, not steps, because one probe of an expensive arm (a neural tree of 16
-nodes per row at batch 8) can cost as much as dozens of plain steps, while an arm within a few percent of the
-best costs almost nothing to keep measured; the controller's loss to probing is thus at most ``probe_share``
-of its time in any stretch of a few half-lives (after the grace). Nothing is assumed about the hardware: on a CPU
-where a drafter forward costs about as much as verifying a dozen tokens, the neural arms measure slower than
-plain decoding and lose; on an accelerator, where verifying 16-64 tokens costs about one, the same rule picks
-them. On CPU::
+An arm is a (builder, budget) pair: plain decoding, drafter-free retrieval and the neural drafter's builder at a
+few budgets. Expected throughput of an arm at batch size ``B`` is ``B · τ(arm, B) / cost(arm, B)``: τ from the
+live acceptance by depth, cost from measured step times scaled by the machine's current speed. Every step takes
+the best estimate, except probes of stale arms paid from a budget of lost throughput; a drafter's sessions ride
+on new requests only while one of its arms is within a margin of the best. Nothing is assumed about the hardware.
+The rules, why each is there and the measurements behind them: docs/controller.md. On CPU::
 
     python -c "from trainer.decoding.controller import Controller; c = Controller(Controller.arms('ddtree')); \\
         print(c.choose(1))"

@@ -1,66 +1,10 @@
 """SpecBlock block-iterative drafter (docs/algorithms.md §5): one forward drafts a block of K dependent slots.
 
-A block starts from a token ``x_s`` at position ``s`` and a condition vector, and slot ``k`` of the block predicts
-``x_{s+1+k}``. For a context position ``i`` the condition is the projected target feature ``P f_i`` of the three
-EAGLE-3 layers (HF ``hidden_states`` indices ``2, L//2, L-3``, i.e. this project's layer ids
-``[1, L//2 - 1, L - 4]``, since ``hidden_states[l + 1]`` is the output of decoder layer ``l``), and the token is
-set by ``alignment``:
-
-- ``next`` (the authors' code, the default): ``f_i`` pairs with the *next* token ``x_{i+1}`` as in EAGLE-3, so
-  ``s = i + 1`` and slot ``k`` predicts ``x_{i+2+k}``. At inference the newest context position pairs with the
-  root: its context block is the root block, drafted by the same forward that enters the context.
-- ``same``: ``f_i`` pairs with ``x_i`` (``s = i``); slot 0 predicts ``x_{i+1}``, which the target has already
-  committed, so the root block is a block launched from the last context position's slot 0 (one more forward).
-
-Slot ``k`` of the block gets the input::
-
-    fuse(concat[condition_norm(condition), token_norm(E[x_s]), query_norm(slot_queries[k])])   fuse: 3H -> H
-
-and sits at RoPE position ``s + 1 + k``. Attention: slot ``(i, k)`` of context position
-``i`` sees every slot of the positions ``< i`` and the slots ``<= k`` of its own position. Before every decoder
-layer but the first, a layer-wise shift hands each slot the previous slot's state of the same block,
-``h <- shift(concat[h, h[k-1]])`` (slot 0 takes its own state), so slot ``k`` depends on slots ``< k`` and never on
-later ones. The final ``norm`` output goes through the LM head: with ``draft_vocab_size`` set, the drafter's own
-``lm_head`` over a reduced draft vocabulary (EAGLE-3's ``d2t`` / ``t2d`` layout, initialised from the target's
-rows by training); without it, the target's frozen full head. The drafter never owns an input embedding.
-
-Cross-block: a new block may start from any slot ``j`` of an earlier block. Its condition is that slot's pre-norm
-hidden state (no ``condition_proj``), its token the token drafted there, its position that token's position;
-it attends to the keys its launching slot saw plus that block's slots ``<= j`` (its ancestors).
-
-A rank head reads ``[norm(h) (detached), top-10 log-probs, gaps top1-top2/top1-top3/top1-top5, top-1 prob,
-entropy]`` and predicts the class of the target token's rank in the draft distribution: ``1 / 2-4 / 5-10 / >10``
-(``rank_class_bounds`` ``[1, 4, 10]``).
-
-Inference with a ``transformers`` ``DynamicCache`` (keys appended in feed order: slot ``k`` of the ``n``-th block of a
-call that starts with ``P`` cached keys lands at cache index ``P + n*K + k``), on CPU with a config-built target::
-
-    import torch
-    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
-    from trainer.drafters.specblock import SpecBlockDraftModel, build_config, launch_mask
-
-    target = Qwen3ForCausalLM(Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64,
-                                          num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                                          head_dim=8)).eval()
-    drafter = SpecBlockDraftModel(build_config(target.config)).eval()        # K = 4, layers [1, 3, 4], next
-    ids = torch.randint(0, 97, (1, 10))                                       # x_0..x_9; x_9 is the root
-    hidden = target(ids, output_hidden_states=True).hidden_states
-    feats = torch.cat([hidden[i + 1] for i in drafter.target_layer_ids], dim=-1)[:, :9]
-    embed = target.get_input_embeddings()
-    cache = DynamicCache(config=drafter.config)
-    # Context blocks (f_i, x_{i+1}) at token positions 1..9; the last one, (f_8, root), is the root block.
-    ctx = drafter(drafter.project_features(feats), embed(ids[:, 1:]), torch.arange(1, 10)[None],
-                  past_key_values=cache)                                      # (1, 9, 4, H); 36 keys cached
-    normed = drafter.norm(ctx[:, -1])                                         # slots: depths 1..4
-    logprobs = torch.log_softmax(drafter.logits(normed, target.lm_head).float(), dim=-1)
-    rank_class = drafter.rank_logits(normed, logprobs).argmax(-1)
-    # A block launched from slot 1 of the root block, with its drafted token (position 11): it sees the
-    # earlier context and the root block's slots 0..1.
-    visible = torch.zeros(1, 1, 36, dtype=torch.bool); visible[..., : 8 * 4 + 2] = True
-    token = logprobs[0, 1].argmax()[None, None]
-    block = drafter(ctx[:, 8:9, 1], embed(token), torch.tensor([[11]]),
-                    attention_mask=launch_mask(visible, 4), past_key_values=cache)
-    cache.crop(-4)                                                            # drop the draft keys again
+A block starts from a token and a condition vector (the projected target features of three layers, or an earlier
+slot's state for a block launched from it); slot ``k`` predicts the token ``k + 1`` after it. A layer-wise shift
+hands each slot the previous slot's state before every decoder layer but the first, so slot ``k`` depends only on
+slots ``< k``; a rank head predicts the target token's rank class in the draft distribution. Inputs, attention
+pattern, cross-block launches and a runnable CPU example with a ``DynamicCache``: docs/specblock.md.
 """
 
 from __future__ import annotations
