@@ -18,16 +18,15 @@ earlier turns already regenerated*; user, system and tool turns are kept as they
   ``prompt_tokens + max_new_tokens`` tokens, and the target continues each window's first ``prompt_tokens``
   tokens; ``--limit`` keeps that many windows spread evenly over the corpus. A continuation ends at the
   end-of-text token or after ``max_new_tokens``. Each output line is ``{"id", "source", "text"}`` (prompt and
-  continuation, decoded), ``id`` being ``file@offset`` (the prompt's first token); training reads such a file as
-  text (``format: text``). Decoded text is tokenized again for training, which may merge a few tokens
-  differently from the ones the target wrote.
+  continuation, decoded), ``id`` being ``file@offset``; training reads it as text (``format: text``), tokenized
+  again (a few tokens may merge differently from the ones the target wrote).
 - The output is JSON Lines, one ``{"id", "source", "messages"}`` per input conversation in input order; ``id``
   is the input's ``file:line`` (or ``file#row``). Lines are appended and flushed as each batch finishes, so a
   run killed at any moment is resumed by running the same command again: a torn last line is cut off and
   conversations already in the output are skipped. Resuming matches ids, so pass ``--data`` spelled the
   same way.
 
-On CPU with the shipped tiny target::
+On CPU with the shipped tiny target (from Python: :func:`regenerate`, same arguments)::
 
     trainer data regenerate --target checkpoints/target_tiny --data chats.jsonl --output regen.jsonl \\
         --max_new_tokens 64
@@ -37,8 +36,6 @@ or, continuing stdlib text at the temperature of the evaluation::
     trainer data regenerate --format text --target checkpoints/target_tiny --data stdlib:train \\
         --output data/regenerated/stdlib_tiny.jsonl --prompt_tokens 64 --max_new_tokens 192 --limit 1500 \\
         --temperature 0.7 --batch_size 32
-
-(from Python: :func:`regenerate` with the same arguments).
 """
 
 from __future__ import annotations
