@@ -35,7 +35,7 @@ from rich.progress import Progress
 from transformers import AutoTokenizer, PreTrainedModel
 
 from trainer.adapt.publish import load_adjacency, read_current
-from trainer.decoding.drafting import DraftSession, GraftSession, RecyclingSession, load_drafter
+from trainer.decoding.drafting import GraftSession, RecyclingSession, load_drafter
 from trainer.decoding.engine import BUILDERS, DEFAULT_OPTIONS, Generation, generate, make_session
 from trainer.decoding.options import TreeOptions
 from trainer.decoding.verify import Sampling
@@ -232,10 +232,6 @@ def evaluate(
     baseline = {c: Totals() for c in conditions}
     baseline_outputs: dict[str, list[list[int]]] = {c: [] for c in conditions}
 
-    def drafts(tree: str) -> bool:
-        # Plain decoding and recycling draft without the drafter; their step records name none.
-        return BUILDERS[tree].session not in (DraftSession, RecyclingSession)
-
     def run(cond: str, tree: str, budget: int, i: int, logged: bool = False) -> Generation:
         key = (cond, tree, budget)
         if tree == "recycling":
@@ -249,7 +245,7 @@ def evaluate(
         if logged and log is not None:
             recorder = StepRecorder(
                 log, server="eval", request=f"{cond}/{tree}/{budget}/{prompts[i]['id']}", tenant=None,
-                shareable=True, drafter=drafter_name if drafts(tree) else None, drafter_version=None,
+                shareable=True, drafter=drafter_name if BUILDERS[tree].uses_drafter else None, drafter_version=None,
             )  # fmt: skip
         g = generate(
             target, session, BUILDERS[tree], encoded[i], max_new_tokens, budget, conditions[cond], gen, stop_token_ids,

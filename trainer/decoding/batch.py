@@ -54,7 +54,14 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from trainer.decoding.drafting import BlockDraftSession, DraftSession, GraftSession, RecyclingSession, draft_blocks
+from trainer.decoding.drafting import (
+    BlockDraftSession,
+    DraftSession,
+    GraftSession,
+    RecyclingSession,
+    draft_blocks,
+    uses_drafter,
+)
 from trainer.decoding.engine import BUILDERS, DEFAULT_OPTIONS, Clock, Step, StepEvent, _cache_kwarg, make_session
 from trainer.decoding.options import TreeOptions
 from trainer.decoding.verify import GREEDY, Sampling, accept, committed
@@ -391,7 +398,7 @@ class BatchEngine:
         if self.fault is not None:
             self.fault("prefill", [request])
         request.sessions = self._sessions()
-        if any(kind not in (DraftSession, RecyclingSession) for kind in request.sessions):
+        if any(uses_drafter(kind) for kind in request.sessions):
             request.drafter_version = self.drafter_version
         sessions = list(request.sessions.values())
         speculating = self.policy.speculating()

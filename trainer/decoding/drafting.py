@@ -511,3 +511,10 @@ class SpecBlockSession(ContextSession):
         extra = self.cache.get_seq_length() - self.entered * self.block_size
         if extra:
             self.cache.crop(-extra)
+
+
+def uses_drafter(kind: type[DraftSession]) -> bool:
+    """Whether sessions of ``kind`` draft with the drafter: all but plain decoding's (the base class) and
+    retrieval's. A step drafted by such a session names the drafter and its version in the verifier log."""
+    return kind not in (DraftSession, RecyclingSession)
+

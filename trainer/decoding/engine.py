@@ -38,6 +38,7 @@ from trainer.decoding.drafting import (
     SpecBlockBlock,
     SpecBlockSession,
     TreeFlashSession,
+    uses_drafter,
 )
 from trainer.decoding.options import TreeOptions
 from trainer.decoding.tree import (
@@ -107,6 +108,11 @@ class TreeBuilder:
     build: Callable[[DraftSession, int, int, int, Clock, TreeOptions], Tree]
     # For a GraftSession: the builder whose session does the drafting inside it.
     drafts_like: str | None = None
+
+    @property
+    def uses_drafter(self) -> bool:
+        """Whether its trees come from the drafter (plain decoding and retrieval draft without one)."""
+        return uses_drafter(self.session)
 
 
 def _chain(

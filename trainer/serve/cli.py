@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from trainer.decoding.batch import BatchEngine
 from trainer.decoding.controller import policy_for
-from trainer.decoding.drafting import DraftSession, RecyclingSession, load_drafter
+from trainer.decoding.drafting import load_drafter
 from trainer.decoding.engine import BUILDERS
 from trainer.decoding.options import TreeOptions
 from trainer.devices import add_device_arguments, parse_device, parse_dtype
@@ -85,7 +85,7 @@ def main(argv: list[str]) -> None:
             raise UserError(f"--tree {args.tree!r}: choose 'auto' or one of {sorted(BUILDERS)}")
         if args.budget < 0:
             raise UserError(f"--budget must be >= 0, got {args.budget}")
-        neural = None if BUILDERS[args.tree].session in (DraftSession, RecyclingSession) else args.tree
+        neural = args.tree if BUILDERS[args.tree].uses_drafter else None
     policy, trees = policy_for(args.tree, args.budget, neural)
     engine = BatchEngine(target, drafter, trees, policy, options, max_batch=args.max_batch)
     for directory in args.watch:

@@ -42,7 +42,7 @@ MIN_MODEL_LEN = 512
 
 
 @dataclass
-class Acceptance:
+class ChainAcceptance:
     """Drafting steps (those that verified at least one draft) and how many accepted position j + 1 or deeper."""
 
     drafts: int
@@ -56,7 +56,7 @@ class Acceptance:
 
 def ours(
     target: PreTrainedModel, drafter: PreTrainedModel, prompts: list[list[int]], tokens: int, max_tokens: int
-) -> tuple[list[list[int]], Acceptance]:
+) -> tuple[list[list[int]], ChainAcceptance]:
     """Our engine drafting the chain vLLM drafts: EAGLE-3 ``tokens`` deep with one candidate per depth, a block
     drafter its ``chain`` of ``tokens``.
 
@@ -83,7 +83,7 @@ def ours(
                 draft_tokens += step.tree_size
                 for j in range(step.accepted):
                     per_position[j] += 1
-    return outputs, Acceptance(drafts, draft_tokens, per_position)
+    return outputs, ChainAcceptance(drafts, draft_tokens, per_position)
 
 
 def plain(target: PreTrainedModel, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -102,7 +102,7 @@ def _metric(metrics: list, name: str) -> list[int]:
 
 def served(
     target: Path, export: Path, method: str, tokens: int, prompts: list[list[int]], max_tokens: int
-) -> tuple[list[list[int]], Acceptance]:
+) -> tuple[list[list[int]], ChainAcceptance]:
     """vLLM (in this process) serving ``export`` beside ``target``, greedy, fp32: outputs and acceptance counts
     from vLLM's own metrics."""
     from vllm import LLM, SamplingParams
@@ -126,7 +126,7 @@ def served(
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outputs = [list(r.outputs[0].token_ids) for r in results]
         metrics = llm.get_metrics()
-        acceptance = Acceptance(
+        acceptance = ChainAcceptance(
             _metric(metrics, "vllm:spec_decode_num_drafts")[0],
             _metric(metrics, "vllm:spec_decode_num_draft_tokens")[0],
             _metric(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos"),
