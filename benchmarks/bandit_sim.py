@@ -36,10 +36,10 @@ from transformers import AutoTokenizer
 
 from trainer.adapt.bandit import DEFAULT_ARMS, Arm, BanditConfig
 from trainer.adapt.bandit_daemon import BanditDaemon
-from trainer.adapt.publish import publish, read_current
-from trainer.decoding.drafting import load_drafter
 from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.drafters import load_drafter
 from trainer.paths import project_path
+from trainer.snapshots import publish, read_current
 from trainer.target import load_causal_lm
 from trainer.vlog.recorder import StepRecorder
 from trainer.vlog.writer import LogWriter

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer.decoding.drafting import load_drafter
 from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.drafters import load_drafter
 
 
 @torch.no_grad()

@@ -33,9 +33,9 @@ from transformers import AutoTokenizer
 
 from trainer.decoding.batch import BatchEngine, BatchRequest
 from trainer.decoding.controller import policy_for
-from trainer.decoding.drafting import load_drafter
 from trainer.decoding.options import TreeOptions
 from trainer.decoding.verify import Sampling
+from trainer.drafters import load_drafter
 from trainer.paths import project_path
 from trainer.serve.worker import seeded_generator
 from trainer.target import load_causal_lm

@@ -28,10 +28,11 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
-from trainer.decoding.drafting import GraftSession, RecyclingSession, load_drafter
+from trainer.decoding.drafting import GraftSession, RecyclingSession
 from trainer.decoding.engine import BUILDERS, generate, make_session
 from trainer.decoding.options import TreeOptions
 from trainer.decoding.verify import Sampling
+from trainer.drafters import load_drafter
 from trainer.evaluate import Totals, read_prompts, refresh_adjacency
 from trainer.target import load_causal_lm
 

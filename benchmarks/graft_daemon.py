@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 
 from trainer.adapt.candidates import SCALE
 from trainer.adapt.graft import GraftConfig, GraftState, cap_per_replica, run_graft, step_evidence
-from trainer.adapt.publish import ADJACENCY, ADJACENCY_TENSOR, publish
+from trainer.snapshots import ADJACENCY, ADJACENCY_TENSOR, publish
 from trainer.vlog.columns import BatchDecoder, StepColumns
 from trainer.vlog.reader import LogReader
 from trainer.vlog.schema import step_record

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer.decoding.drafting import load_drafter
 from trainer.decoding.engine import BUILDERS, generate, make_session
 from trainer.decoding.options import TreeOptions
 from trainer.decoding.verify import Sampling
+from trainer.drafters import load_drafter
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.evaluate import Totals, read_prompts
 

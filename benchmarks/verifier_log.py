@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer.decoding.drafting import load_drafter
 from trainer.decoding.engine import BUILDERS, StepEvent, generate, make_session
+from trainer.drafters import load_drafter
 from trainer.sampling import top_rows
 from trainer.vlog.reader import LogReader
 from trainer.vlog.recorder import StepRecorder

@@ -52,8 +52,8 @@ result = {"seconds": time.perf_counter() - start}
 if writer is not None:
     result["writer_cpu"] = writer.cpu_seconds() - cpu
 if swaps:
-    from trainer.adapt.publish import publish
-    from trainer.decoding.drafting import load_drafter
+    from trainer.snapshots import publish
+    from trainer.drafters import load_drafter
     drafter = load_drafter("checkpoints/eagle3_tiny")
     for _ in range(swaps):
         publish(Path(os.environ["TRAINER_VLLM_WATCH"]), drafter.save_pretrained, {"kind": "drafter"})

@@ -22,7 +22,8 @@ from safetensors.torch import save_file
 from trainer.adapt import graft as graft_module
 from trainer.adapt.candidates import SCALE, CandidateTable
 from trainer.adapt.graft import METRICS, QUARANTINE, STATE_FILE, GraftConfig, run_graft
-from trainer.adapt.publish import (
+from trainer.errors import UserError
+from trainer.snapshots import (
     ADJACENCY,
     CURRENT,
     PublishError,
@@ -32,7 +33,6 @@ from trainer.adapt.publish import (
     read_manifest,
     tenant_filename,
 )
-from trainer.errors import UserError
 from trainer.vlog.schema import request_record, step_record
 from trainer.vlog.segments import stem
 from trainer.vlog.workers import Decoding

@@ -13,8 +13,7 @@ import yaml
 from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
 
 from trainer.cli import main
-from trainer.decoding.drafting import load_drafter
-from trainer.drafters import attention
+from trainer.drafters import attention, load_drafter
 from trainer.drafters.attention import (
     block_rule,
     dense_attention,

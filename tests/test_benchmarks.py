@@ -25,8 +25,12 @@ def run_smoke(script: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
-# scale.py has its own tests below; vllm_plugin.py needs vLLM's environment (tests/test_vllm.py runs its smoke mode).
-@pytest.mark.parametrize("script", [s for s in SCRIPTS if s not in ("scale.py", "vllm_plugin.py")])
+# scale.py has its own tests below; vllm_plugin.py needs vLLM's environment (tests/test_vllm.py runs its smoke mode);
+# closed_loop.py is run by tests/test_closed_loop.py.
+SELF_TESTED = ("scale.py", "vllm_plugin.py", "closed_loop.py")
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s not in SELF_TESTED])
 def test_benchmark_runs_in_smoke_mode(script):
     proc = run_smoke(script)
     assert proc.returncode == 0, f"{script} --smoke failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

@@ -11,13 +11,14 @@ from conftest import ROOT, TINY_TARGET
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer.adapt.publish import load_adjacency, publish
 from trainer.decoding.batch import BatchEngine, BatchRequest, Fixed
-from trainer.decoding.drafting import GraftSession, RecyclingSession, draft_blocks, load_drafter
+from trainer.decoding.drafting import GraftSession, RecyclingSession, draft_blocks
 from trainer.decoding.engine import BUILDERS, generate, make_session
 from trainer.decoding.verify import Sampling
+from trainer.drafters import load_drafter
 from trainer.errors import UserError
 from trainer.evaluate import refresh_adjacency
+from trainer.snapshots import load_adjacency, publish
 
 
 @pytest.fixture(scope="module")

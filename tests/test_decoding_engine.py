@@ -9,11 +9,12 @@ import torch
 from conftest import ROOT, TINY_TARGET, chi2_pvalue, qwen3_config, reference_dflash_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
 
-from trainer.decoding.drafting import RecyclingSession, load_drafter
+from trainer.decoding.drafting import RecyclingSession
 from trainer.decoding.engine import BUILDERS, generate, make_session
 from trainer.decoding.options import TreeOptions
 from trainer.decoding.tree import Tree
 from trainer.decoding.verify import Sampling
+from trainer.drafters import load_drafter
 from trainer.drafters.dflash import DFlashDraftModel, build_config
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.eagle3 import build_config as eagle3_config

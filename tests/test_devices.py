@@ -7,17 +7,17 @@ import torch
 from conftest import ROOT, TINY_TARGET
 
 from trainer.adapt.cli import bandit_parser
-from trainer.adapt.publish import publish
 from trainer.cli import main
 from trainer.decoding.batch import BatchEngine
 from trainer.decoding.controller import policy_for
-from trainer.decoding.drafting import load_drafter
 from trainer.devices import parse_device, parse_dtype
+from trainer.drafters import load_drafter
 from trainer.errors import UserError
 from trainer.serve.cli import load_models
 from trainer.serve.cli import parser as serve_parser
 from trainer.serve.metrics import Metrics
 from trainer.serve.worker import Worker
+from trainer.snapshots import publish
 
 DFLASH_TINY = ROOT / "checkpoints" / "dflash_tiny"
 

@@ -219,8 +219,8 @@ def test_eval_speedup_at_tau_one_is_at_most_one(setup):
     GPU run) or a ratio taken the wrong way round would read above 1 here."""
     import torch
 
-    from trainer.decoding.drafting import load_drafter
     from trainer.decoding.verify import Sampling
+    from trainer.drafters import load_drafter
     from trainer.evaluate import evaluate
     from trainer.target import load_causal_lm
 

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from trainer.cli import main as cli_main
-from trainer.decoding.drafting import load_drafter
 from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.drafters import load_drafter
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.dflash import build_config as dflash_config
 from trainer.drafters.eagle3 import Eagle3DraftModel

@@ -16,8 +16,8 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from trainer.adapt.publish import read_current
 from trainer.cli import main
+from trainer.snapshots import read_current
 
 README = (ROOT / "README.md").read_text()
 

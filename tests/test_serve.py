@@ -22,10 +22,10 @@ from conftest import ROOT, TINY_TARGET
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer.adapt.publish import publish
 from trainer.decoding.engine import BUILDERS, generate, make_session
 from trainer.decoding.verify import GREEDY, Sampling
 from trainer.serve.process import ServerProcess
+from trainer.snapshots import publish
 from trainer.vlog.schema import validate
 
 MODEL = "target_tiny"

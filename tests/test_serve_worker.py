@@ -14,13 +14,13 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer.adapt.publish import publish
 from trainer.data.render import end_of_text_ids, stop_token_ids
 from trainer.decoding.batch import BatchEngine, BatchRequest, Fixed
-from trainer.decoding.drafting import load_drafter
+from trainer.drafters import load_drafter
 from trainer.serve.app import Limits, build_app, stop_ids_of
 from trainer.serve.metrics import Metrics
 from trainer.serve.worker import Identity, Worker
+from trainer.snapshots import publish
 from trainer.vlog.schema import validate
 from trainer.vlog.writer import LogWriter
 

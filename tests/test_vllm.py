@@ -160,9 +160,9 @@ import json, sys
 from pathlib import Path
 import torch
 from vllm import LLM, SamplingParams
-from trainer.adapt.publish import publish
+from trainer.snapshots import publish
 from trainer.integrations.vllm import hooks
-from trainer.decoding.drafting import load_drafter
+from trainer.drafters import load_drafter
 
 target, export, pub = sys.argv[1:4]
 shipped = load_drafter("checkpoints/eagle3_tiny")
@@ -192,9 +192,9 @@ def test_published_drafter_versions_are_hot_loaded_and_bad_ones_refused(tmp_path
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.decoding.drafting import load_drafter
     from trainer.decoding.engine import BUILDERS, generate, make_session
     from trainer.decoding.options import TreeOptions
+    from trainer.drafters import load_drafter
     from trainer.export import write_export
 
     shipped = load_drafter(ROOT / "checkpoints/eagle3_tiny")
@@ -261,10 +261,10 @@ def test_sampled_speculation_accepts_like_our_engine_and_repeats_under_a_seed(tm
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.decoding.drafting import load_drafter
     from trainer.decoding.engine import BUILDERS, generate, make_session
     from trainer.decoding.options import TreeOptions
     from trainer.decoding.verify import Sampling
+    from trainer.drafters import load_drafter
     from trainer.evaluate import read_prompts
     from trainer.export import write_export
 

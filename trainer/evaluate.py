@@ -29,20 +29,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 from rich.console import Console
 from rich.progress import Progress
 from transformers import AutoTokenizer, PreTrainedModel
 
-from trainer.adapt.publish import load_adjacency, read_current
-from trainer.decoding.drafting import GraftSession, RecyclingSession, load_drafter
+from trainer.decoding.drafting import GraftSession, RecyclingSession
 from trainer.decoding.engine import BUILDERS, DEFAULT_OPTIONS, Generation, generate, make_session
 from trainer.decoding.options import TreeOptions
 from trainer.decoding.verify import Sampling
 from trainer.devices import add_device_arguments, parse_device, parse_dtype
+from trainer.drafters import load_drafter
 from trainer.errors import ArgumentParser, UserError
 from trainer.io import write_text_atomic
 from trainer.paths import project_path
+from trainer.runs import recipe_target, resolve_drafter
+from trainer.snapshots import load_adjacency, read_current
 from trainer.target import load_causal_lm
 from trainer.textstats import ends_in_loop, ngram_repetition
 from trainer.vlog.recorder import StepRecorder
@@ -77,29 +78,6 @@ def read_prompts(path: Path) -> list[dict]:
     return rows
 
 
-def resolve_drafter(path: Path) -> tuple[Path, Path | None]:
-    """The HF directory of a drafter given it or a training run directory, and the run's resolved recipe
-    (``config.yaml``) when there is one."""
-    if not path.exists():
-        raise UserError(f"drafter {path} does not exist")
-    if (path / "config.json").is_file():
-        recipe = path.parent / "config.yaml"
-        return path, recipe if recipe.is_file() else None
-    exports = sorted(path.glob("**/hf/config.json"), key=lambda p: p.stat().st_mtime)
-    if not exports:
-        raise UserError(f"{path} is neither an HF drafter directory (config.json) nor a run with an <run>/hf export")
-    hf = exports[-1].parent
-    recipe = hf.parent / "config.yaml"
-    return hf, recipe if recipe.is_file() else None
-
-
-def recipe_target(recipe: Path) -> str:
-    """The target a run trained against, from its resolved recipe."""
-    config = yaml.safe_load(recipe.read_text())
-    try:
-        return config["model"]["init_args"]["target"]
-    except (KeyError, TypeError):
-        raise UserError(f"{recipe} names no model.init_args.target; pass --target") from None
 
 
 def refresh_adjacency(memory: RecyclingSession, publish_dir: Path) -> None:

@@ -65,17 +65,23 @@ from trainer.adapt.bandit import (
     step_seconds,
     step_tokens,
 )
-from trainer.adapt.graft import StateError
-from trainer.adapt.journal import append_lines, lock_state_dir, quarantine_lines, run_until_signalled, truncate_to
-from trainer.adapt.publish import publish, read_current, read_manifest
+from trainer.adapt.journal import (
+    StateError,
+    append_lines,
+    lock_state_dir,
+    quarantine_lines,
+    run_until_signalled,
+    truncate_to,
+)
 from trainer.data.features import FEATURE_KEYS, with_features
-from trainer.decoding.drafting import load_drafter
+from trainer.drafters import load_drafter
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.specblock import SpecBlockDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
 from trainer.io import write_text_atomic
 from trainer.paths import project_path
+from trainer.snapshots import publish, read_current, read_manifest
 from trainer.target import Target, load_causal_lm
 from trainer.training.specblock_losses import SpecBlockOptions
 from trainer.training.step import (

@@ -53,8 +53,18 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save, save_file
 
 from trainer.adapt.candidates import SCALE, CandidateTable
-from trainer.adapt.journal import append_lines, lock_state_dir, quarantine_lines, run_until_signalled, truncate_to
-from trainer.adapt.publish import (
+from trainer.adapt.journal import (
+    StateError,
+    append_lines,
+    lock_state_dir,
+    quarantine_lines,
+    run_until_signalled,
+    truncate_to,
+)
+from trainer.errors import UserError
+from trainer.io import atomic_path, write_text_atomic
+from trainer.paths import project_path
+from trainer.snapshots import (
     ADJACENCY,
     ADJACENCY_TENSOR,
     DELTA_ROWS,
@@ -64,9 +74,6 @@ from trainer.adapt.publish import (
     read_manifest,
     tenant_filename,
 )
-from trainer.errors import UserError
-from trainer.io import atomic_path, write_text_atomic
-from trainer.paths import project_path
 from trainer.vlog.columns import Decoded, StepColumns
 from trainer.vlog.reader import LogReader
 from trainer.vlog.schema import RecordError
@@ -385,9 +392,6 @@ def lines_of(batch: list) -> list[bytes]:
     """The raw lines of a batch of reader items (the reader's own rejections left out)."""
     return [item[3] for item in batch if not isinstance(item[3], RecordError)]
 
-
-class StateError(UserError):
-    """The state directory cannot be written; the message says which file and why."""
 
 
 class GraftDaemon:

@@ -19,6 +19,10 @@ from trainer.errors import UserError
 from trainer.vlog.schema import RecordError
 
 
+class StateError(UserError):
+    """A daemon's state directory cannot be read or written; the message says which file and why."""
+
+
 def truncate_to(path: Path, size: int) -> None:
     """Drop what was appended to ``path`` after the last commit (which recorded ``size``)."""
     if path.exists() and path.stat().st_size > size:

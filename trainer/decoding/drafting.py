@@ -15,14 +15,12 @@ verification) and a tree builder asks it for drafts. A session says which target
 
 On CPU, with the shipped tiny models::
 
-    python -c "from trainer.decoding.drafting import load_drafter; print(load_drafter('checkpoints/dflash_tiny'))"
+    python -c "from trainer.drafters import load_drafter; print(load_drafter('checkpoints/dflash_tiny'))"
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,14 +28,12 @@ from transformers import DynamicCache, PreTrainedModel
 
 from trainer.decoding.tree import Transitions, Tree
 from trainer.decoding.verify import growing_cache
-from trainer.drafters import drafter_class
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.specblock import SpecBlockDraftModel, launch_mask
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
 from trainer.masks import additive_mask
-from trainer.paths import project_path
 from trainer.sampling import top_rows
 
 
@@ -360,16 +356,6 @@ class GraftSession(DraftSession):
         if self.learns_memory:
             self.memory.commit(tokens, features, tree, logits)
 
-
-def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A DFlash, TreeFlash, EAGLE-3 or SpecBlock drafter from an HF directory (a shipped one from any
-    directory, ``trainer.paths``), by its ``architectures``."""
-    path = project_path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise UserError(f"no drafter at {path}: {config_file} does not exist")
-    architectures = json.loads(config_file.read_text()).get("architectures") or []
-    return drafter_class(architectures, config_file).from_pretrained(path, dtype=dtype).eval()
 
 
 class Eagle3Session(ContextSession):

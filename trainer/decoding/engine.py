@@ -9,7 +9,7 @@ walks it; the KV cache is compacted to the accepted path; the session is told wh
 
     python -c "
     import torch; from transformers import AutoModelForCausalLM as A
-    from trainer.decoding.drafting import load_drafter
+    from trainer.drafters import load_drafter
     from trainer.decoding.engine import BUILDERS, generate, make_session
     t = A.from_pretrained('checkpoints/target_tiny', dtype=torch.float32).eval()
     s = make_session('ddtree', t, load_drafter('checkpoints/dflash_tiny'))

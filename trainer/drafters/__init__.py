@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
+import torch
 from transformers import PreTrainedModel
 
 from trainer.drafters.dflash import DFlashDraftModel, build_config, target_layer_ids
@@ -12,6 +15,7 @@ from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.specblock import SpecBlockDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
+from trainer.paths import project_path
 
 # The ``architectures`` name a saved config.json carries → the class that loads it.
 DRAFTER_CLASSES: dict[str, type[PreTrainedModel]] = {
@@ -34,4 +38,15 @@ def drafter_class(architectures: Sequence[str], where: object) -> type[PreTraine
     raise UserError(f"{where}: architectures {list(architectures)} name no drafter ({sorted(DRAFTER_CLASSES)})")
 
 
-__all__ = ["DRAFTER_CLASSES", "DFlashDraftModel", "build_config", "drafter_class", "target_layer_ids"]
+def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A DFlash, TreeFlash, EAGLE-3 or SpecBlock drafter from an HF directory (a shipped one from any
+    directory, ``trainer.paths``), by its ``architectures``."""
+    path = project_path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"no drafter at {path}: {config_file} does not exist")
+    architectures = json.loads(config_file.read_text()).get("architectures") or []
+    return drafter_class(architectures, config_file).from_pretrained(path, dtype=dtype).eval()
+
+
+__all__ = ["DRAFTER_CLASSES", "DFlashDraftModel", "build_config", "drafter_class", "load_drafter", "target_layer_ids"]

@@ -18,11 +18,10 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import PreTrainedModel
 
-from trainer.decoding.drafting import load_drafter
-from trainer.drafters import drafter_class
+from trainer.drafters import drafter_class, load_drafter
 from trainer.errors import UserError
-from trainer.evaluate import recipe_target, resolve_drafter
 from trainer.paths import project_path
+from trainer.runs import recipe_target, resolve_drafter
 
 # Lightning keeps the drafter's weights under this prefix of the LightningModule's state dict.
 DRAFTER_PREFIX = "drafter."

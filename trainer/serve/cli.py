@@ -24,10 +24,10 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from trainer.decoding.batch import BatchEngine
 from trainer.decoding.controller import policy_for
-from trainer.decoding.drafting import load_drafter
 from trainer.decoding.engine import BUILDERS
 from trainer.decoding.options import TreeOptions
 from trainer.devices import add_device_arguments, parse_device, parse_dtype
+from trainer.drafters import load_drafter
 from trainer.errors import UserError
 from trainer.paths import project_path
 from trainer.serve.app import Limits, build_app

@@ -27,12 +27,13 @@ from pathlib import Path
 
 import torch
 
-from trainer.adapt.publish import ADJACENCY, load_adjacency, read_current
 from trainer.decoding.batch import BatchEngine, BatchRequest, RowStep
 from trainer.decoding.controller import Controller
-from trainer.decoding.drafting import GraftSession, RecyclingSession, load_drafter
+from trainer.decoding.drafting import GraftSession, RecyclingSession
 from trainer.decoding.engine import BUILDERS, make_session
+from trainer.drafters import load_drafter
 from trainer.serve.metrics import Metrics
+from trainer.snapshots import ADJACENCY, load_adjacency, read_current
 from trainer.vlog.recorder import StepRecorder
 from trainer.vlog.schema import MIN_TOPK
 from trainer.vlog.writer import LogWriter

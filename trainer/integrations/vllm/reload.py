@@ -1,7 +1,7 @@
 """Hot reload of the served drafter: a watched publish directory's new version is swapped into vLLM between steps.
 
 The bandit daemon publishes drafter versions (``PUB/current`` names ``vNNNNNN``, a directory holding the drafter
-in our HF format: :mod:`trainer.adapt.publish`). Between two steps (the runner's ``execute_model`` starts with
+in our HF format: :mod:`trainer.snapshots`). Between two steps (the runner's ``execute_model`` starts with
 :meth:`Reloader.poll`) the plugin reads ``current`` at most every ``poll_seconds``; a new version is loaded with
 our loader, converted to the speculators layout's weight names (what vLLM's drafter ``load_weights`` maps from)
 and copied into the served drafter with vLLM's in-place reloader (``model_loader.reload``: the CPU backend
@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from prometheus_client import Counter
 
-from trainer.adapt.publish import read_current
-from trainer.decoding.drafting import load_drafter
+from trainer.drafters import load_drafter
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
@@ -32,6 +31,7 @@ from trainer.export.dflash import as_dflash
 from trainer.export.speculators import dflash_layout, eagle3_layout
 from trainer.export.speculators import load as load_speculators
 from trainer.integrations.vllm.config import PluginError
+from trainer.snapshots import read_current
 
 logger = logging.getLogger("trainer.vllm")
 

@@ -15,7 +15,7 @@ temporary directory, leaves ``current`` as it was and raises :class:`PublishErro
 
 Try it on CPU::
 
-    python -c "from pathlib import Path; from trainer.adapt.publish import publish, read_current; \\
+    python -c "from pathlib import Path; from trainer.snapshots import publish, read_current; \\
         publish(Path('/tmp/pub'), lambda d: (d / 'x.txt').write_text('hi'), {}); print(read_current(Path('/tmp/pub')))"
 """
 

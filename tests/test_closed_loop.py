@@ -3,9 +3,14 @@ prompt stream shifts domain, and the daemons' snapshots reach the server (hot re
 verifier log."""
 
 import json
+import sys
 
-from trainer.serve.loop import bandit_decisions, run_loop, write_report
+from conftest import ROOT
+
 from trainer.vlog.schema import validate
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from closed_loop import bandit_decisions, run_loop, write_report
 
 
 def test_closed_loop_serves_with_published_adjacency(tmp_path):

@@ -17,7 +17,7 @@ the adjacency alone). ``--tree auto`` serves as the README's deployment setup do
 controller chooses plain decoding, recycling or the drafter's DDTree every step). Writes ``OUT/loop.md`` (the
 table), ``OUT/loop.json`` and ``OUT/loop.png``::
 
-    python -m trainer.serve.loop --out runs/loop [--requests 40] [--max-tokens 48] [--drafter none] [--tree auto]
+    python benchmarks/closed_loop.py --out runs/loop [--requests 40] [--max-tokens 48] [--drafter none] [--tree auto]
 """
 
 from __future__ import annotations
