@@ -93,7 +93,8 @@ class Server:
         )  # fmt: skip
         session = make_session(TREE, self.target, self.drafter)
         g = generate(
-            self.target, session, BUILDERS[TREE], torch.tensor(prompt), self.new_tokens, self.budget, on_step=recorder
+            self.target, session, BUILDERS[TREE], torch.tensor(prompt), self.new_tokens, self.budget, on_step=recorder,
+            step_topk=recorder.k,
         )
         recorder.finish(prompt, g.tokens)
         self.writer.flush()

@@ -18,6 +18,17 @@ controller chooses plain decoding, recycling or the drafter's DDTree every step)
 table), ``OUT/loop.json`` and ``OUT/loop.png``::
 
     python benchmarks/closed_loop.py --out runs/loop [--requests 40] [--max-tokens 48] [--drafter none] [--tree auto]
+
+``--engine vllm`` serves with vLLM's server instead (its own environment, ``.ci/vllm_env``; ``--vllm-python``):
+the shipped EAGLE-3 drafter in the speculators layout, the plugin writing the verifier log and hot-loading the
+bandit's versions; the drafter version of each request is read from its step records (the version that drafted
+them). The graft daemon reads the same logs and publishes, but vLLM has no proposer that reads an adjacency, so
+the report's adjacency column stays 0 and its note says so. ``--bandit-options`` passes the bandit daemon's
+decision options (a long horizon makes its updates pay on this CPU; a short stream needs a larger exploration
+share), so that an updated version is trained, published and hot-loaded::
+
+    python benchmarks/closed_loop.py --out runs/loop-vllm --engine vllm --vllm-python .venv-vllm/bin/python \\
+        --requests 20 --bandit-options '--horizon-requests 100000 --explore-share 1'
 """
 
 from __future__ import annotations
@@ -25,7 +36,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import random
+import shlex
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -35,12 +48,20 @@ import httpx
 
 from trainer.adapt.bandit import SKIP
 from trainer.adapt.bandit_daemon import DECISIONS
+from trainer.drafters import load_drafter
+from trainer.export import write_export
+from trainer.integrations.vllm.parity import chain_length, method_of
+from trainer.integrations.vllm.process import VllmServer
 from trainer.paths import project_path
 from trainer.serve.process import ServerProcess, python_process
+from trainer.snapshots import read_current
 from trainer.vlog.schema import validate
 
 _ADAPT = "import sys; from trainer.adapt.cli import main; main(sys.argv[1:])"
 DRAFTER = "checkpoints/dflash_tiny"
+TARGET = "checkpoints/target_tiny"
+# vLLM verifies chains; EAGLE-3 is the family whose vLLM chain drafts accept most on the tiny target.
+VLLM_DRAFTER = "checkpoints/eagle3_tiny"
 # Third-party packages the toolkit depends on: their source is out of the tiny target's domain.
 FOREIGN = ("httpx", "fastapi", "pydantic", "openai", "starlette", "uvicorn")
 
@@ -87,6 +108,30 @@ def wait_for_versions(server: ServerProcess, metrics: list[str], deadline: float
         time.sleep(0.5)
 
 
+def wait_for_publications(directories: list[Path], deadline: float) -> None:
+    """The same wait beside vLLM, which has no gauge of ours: every daemon has published its first snapshot (vLLM's
+    plugin swaps a published drafter in at its next step; which version drafted a step is in its step record)."""
+    while any(read_current(d) is None for d in directories):
+        if time.time() > deadline:
+            raise RuntimeError(f"{directories}: a daemon published nothing within 120 s")
+        time.sleep(0.5)
+
+
+def start_vllm(out: Path, python: str, drafter: str, logs: Path, watch: Path | None) -> VllmServer:
+    """vLLM's server with the plugin: it serves ``drafter`` exported in the layout vLLM loads (EAGLE-3:
+    speculators; DFlash and TreeFlash: dflash, the approximator dropped), logs to ``logs`` and hot-loads the
+    versions published to ``watch``."""
+    source = load_drafter(drafter)
+    layout = "speculators" if method_of(source) == "eagle3" else "dflash"
+    served = write_export(source, layout, out / "export", str(project_path(TARGET)))
+    plugin = {"TRAINER_VLLM_LOG_DIR": str(logs), "TRAINER_VLLM_LOG_PREFIX": "loop", "TRAINER_VLLM_POLL_SECONDS": "0.2"}
+    if watch is not None:
+        plugin["TRAINER_VLLM_WATCH"] = str(watch)
+    speculative = {"model": str(served), "method": method_of(source),
+                   "num_speculative_tokens": chain_length(source, None)}  # fmt: skip
+    return VllmServer(python, project_path(TARGET), speculative, plugin, "target_tiny", log=out / "vllm.log")
+
+
 def run_loop(
     out: Path,
     requests: int,
@@ -96,12 +141,19 @@ def run_loop(
     adapt: bool = True,
     drafter: str | None = DRAFTER,
     tree: str = "graft-dflash",
+    vllm_python: str | None = None,
+    bandit_options: tuple[str, ...] = (),
 ) -> list[Served]:
     """Serve ``requests`` stdlib prompts, wait for the daemons' first snapshots, then serve ``2 * requests``
     foreign ones. Without ``adapt``: the same stream with no daemon (the server's own online learning only).
     ``drafter`` None: drafter-free recycling and no bandit daemon. ``tree`` "auto": the server's default, the
     cost-aware controller choosing plain decoding, recycling or the drafter's DDTree every step (the README's
-    deployment setup)."""
+    deployment setup). ``vllm_python``: vLLM's server (that environment's Python) serves ``drafter`` instead of
+    ``trainer serve``, with the plugin logging and hot-loading the bandit's versions; the graft daemon reads the same
+    logs and publishes, but vLLM has no proposer that reads an adjacency. ``bandit_options``: extra arguments of
+    ``trainer adapt bandit``."""
+    if vllm_python is not None and drafter is None:
+        raise ValueError("vLLM serves a drafter; drafter-free recycling is trainer serve's")
     logs, publish_dir, drafters = out / "logs", out / "publish", out / "drafters"
     publish_dir.mkdir(parents=True, exist_ok=True)
     if drafter is not None:
@@ -113,10 +165,14 @@ def run_loop(
     else:
         serving = ["--drafter", drafter] + ([] if tree == "auto" else ["--tree", tree])
     watch = ["--watch", str(publish_dir)] + (["--watch", str(drafters)] if drafter is not None else [])
-    server = ServerProcess(
-        [*serving, "--budget", "16", "--logs", str(logs), "--log-prefix", "loop", *(watch if adapt else [])]
-    )
-    target = str(project_path("checkpoints/target_tiny"))
+    server: ServerProcess | VllmServer
+    if vllm_python is None:
+        server = ServerProcess(
+            [*serving, "--budget", "16", "--logs", str(logs), "--log-prefix", "loop", *(watch if adapt else [])]
+        )
+    else:
+        server = start_vllm(out, vllm_python, str(drafter), logs, drafters if adapt else None)
+    target = str(project_path(TARGET))
     # Per daemon: its output file and the server's gauge of the version it published.
     files = {"graft": (out / "daemon.log", "trainer_adjacency_version")}
     if drafter is not None:
@@ -125,7 +181,7 @@ def run_loop(
         "graft": ["--publish", str(publish_dir), "--publish-seconds", str(publish_seconds), "--commit-seconds", "1",
                   "--poll-seconds", "0.2"],
         "bandit": ["--drafter", str(drafter), "--publish", str(drafters), "--state", str(out / "bandit-state"),
-                   "--poll-seconds", "0.5"],
+                   "--poll-seconds", "0.5", *bandit_options],
     }  # fmt: skip
     daemons = {
         name: python_process(_ADAPT, [name, "--logs", str(logs), "--target", target, *arguments[name]], log=log)
@@ -137,13 +193,22 @@ def run_loop(
         with httpx.Client(timeout=300) as http:
             for i, (domain, prompt) in enumerate(order):
                 if i == requests and adapt:
-                    wait_for_versions(server, [gauge for _, gauge in files.values()], time.time() + 120)
+                    if vllm_python is None:
+                        wait_for_versions(server, [gauge for _, gauge in files.values()], time.time() + 120)
+                    else:
+                        wait_for_publications([publish_dir, drafters], time.time() + 120)
                 body = {"model": "target_tiny", "prompt": prompt, "max_tokens": max_tokens,
                         "temperature": temperature, "seed": i}  # fmt: skip
+                if vllm_python is not None:
+                    body["vllm_xargs"] = {"tenant": domain, "shareable": 1}
                 response = http.post(f"{server.url}/v1/completions", json=body)
                 if response.status_code != 200:
                     raise RuntimeError(f"request {i} failed: {response.status_code} {response.text}")
-                adjacency, drafter_version = server.metrics("trainer_adjacency_version", "trainer_drafter_version")
+                if vllm_python is None:
+                    adjacency, drafter_version = server.metrics("trainer_adjacency_version", "trainer_drafter_version")
+                else:
+                    # vLLM loads no adjacency; the drafter versions come from the request's step records below.
+                    adjacency, drafter_version = 0, 0
                 sent.append((domain, response.json()["id"], int(adjacency), int(drafter_version)))
     finally:
         server.stop()
@@ -157,19 +222,33 @@ def run_loop(
             raise RuntimeError(f"the {name} daemon exited with {daemon.returncode}; the end of its output:\n{output}")
     steps: dict[str, list[dict]] = {}
     outputs: dict[str, int] = {}
-    for segment in sorted(logs.glob("*.jsonl")):
-        for line in segment.read_text().splitlines():
-            record = validate(json.loads(line))
-            if record["kind"] == "step":
-                steps.setdefault(record["request"], []).append(record)
-            else:
-                outputs[record["request"]] = len(record["output_ids"])
+    for record in log_records(logs):
+        if record["kind"] == "step":
+            steps.setdefault(record["request"], []).append(record)
+        else:
+            outputs[record["request"]] = len(record["output_ids"])
     served = []
     for i, (domain, rid, adjacency, drafter_version) in enumerate(sent):
-        mine = steps.get(rid, [])
+        # vLLM's request ids in the log carry a suffix per sequence: "<completion id>-<n>-<hash>".
+        key = rid if vllm_python is None else next((r for r in outputs if r.startswith(f"{rid}-")), rid)
+        mine = steps.get(key, [])
+        if vllm_python is not None:
+            drafter_version = max((r["drafter_version"] or 0 for r in mine), default=0)
         tau = sum(len(r["accepted"]) + 1 for r in mine) / max(len(mine), 1)
-        served.append(Served(i, domain, rid, tau, len(mine), outputs.get(rid, 0), adjacency, drafter_version))
+        served.append(Served(i, domain, rid, tau, len(mine), outputs.get(key, 0), adjacency, drafter_version))
     return served
+
+
+def log_records(logs: Path) -> list[dict]:
+    """Every record of the verifier log, each through the validator; a segment a server left unfinished
+    (``.part``: vLLM's worker ends without exit handlers) counts with its finished lines."""
+    records = []
+    for segment in sorted(logs.glob("*.jsonl*")):
+        text = segment.read_text()
+        if segment.suffix == ".part":
+            text = text[: text.rfind("\n") + 1]
+        records += [validate(json.loads(line)) for line in text.splitlines()]
+    return records
 
 
 def bandit_decisions(out: Path) -> list[dict]:
@@ -197,9 +276,11 @@ def windows(served: list[Served], size: int) -> list[dict]:
     return rows
 
 
-def write_report(out: Path, served: list[Served], size: int, control: list[Served] | None = None) -> list[dict]:
+def write_report(
+    out: Path, served: list[Served], size: int, control: list[Served] | None = None, note: str | None = None
+) -> list[dict]:
     """``loop.md``, ``loop.json`` and ``loop.png``; with ``control`` (the same stream served without the
-    daemons), its τ per window beside the loop's."""
+    daemons), its τ per window beside the loop's; ``note`` is printed under the table."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -217,8 +298,10 @@ def write_report(out: Path, served: list[Served], size: int, control: list[Serve
         without = f"{r['tau_without_daemons']:.3f}" if "tau_without_daemons" in r else ""
         cells = [r["requests"], r["domain"], r["versions"], r["drafter_versions"], f"{r['tau']:.3f}", without]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
+    if note:
+        lines += ["", note]
     (out / "loop.md").write_text("\n".join(lines) + "\n")
-    record = {"requests": [asdict(s) for s in served], "windows": rows}
+    record = {"requests": [asdict(s) for s in served], "windows": rows, "note": note}
     (out / "loop.json").write_text(json.dumps(record, indent=1))
     fig, ax = plt.subplots(figsize=(8, 3.5))
     for domain, color in (("stdlib", "tab:blue"), ("foreign", "tab:orange")):
@@ -252,22 +335,45 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--publish-seconds", type=float, default=5.0)
     p.add_argument("--window", type=int, default=10)
-    p.add_argument("--drafter", default=DRAFTER, help="the served drafter the bandit updates; 'none': recycling alone")
+    p.add_argument("--drafter", default=None, help=f"the served drafter the bandit updates (default {DRAFTER}; "
+                   f"vLLM: {VLLM_DRAFTER}); 'none': recycling alone")  # fmt: skip
     p.add_argument("--tree", default="graft-dflash", help="the server's --tree: graft-dflash, or auto (the controller)")
+    p.add_argument("--engine", choices=("trainer", "vllm"), default="trainer", help="trainer serve, or vLLM's server")
+    p.add_argument("--vllm-python", default=os.environ.get("TRAINER_VLLM_PYTHON"),
+                   help="vLLM's environment's Python (.ci/vllm_env; default $TRAINER_VLLM_PYTHON)")  # fmt: skip
+    p.add_argument("--bandit-options", default="", help="extra arguments of trainer adapt bandit, e.g. "
+                   "'--horizon-requests 100000 --explore-share 1': a long horizon makes an update pay, and a short "
+                   "stream has served too few tokens for the default exploration budget")  # fmt: skip
     p.add_argument("--no-control", action="store_true", help="skip serving the stream again without the daemons")
     args = p.parse_args()
     start = time.time()
-    drafter = None if args.drafter == "none" else args.drafter
+    vllm_python = None
+    if args.engine == "vllm":
+        if not args.vllm_python:
+            p.error("--engine vllm needs --vllm-python or TRAINER_VLLM_PYTHON (vLLM's environment, .ci/vllm_env)")
+        vllm_python = args.vllm_python
+    default = VLLM_DRAFTER if vllm_python else DRAFTER
+    drafter = None if args.drafter == "none" else (args.drafter or default)
+    bandit = tuple(shlex.split(args.bandit_options))
     run = (args.requests, args.max_tokens, args.temperature, args.publish_seconds)
-    served = run_loop(args.out / "loop", *run, drafter=drafter, tree=args.tree)
+    served = run_loop(args.out / "loop", *run, drafter=drafter, tree=args.tree, vllm_python=vllm_python,
+                      bandit_options=bandit)  # fmt: skip
     control = None
     if not args.no_control:
-        control = run_loop(args.out / "control", *run, adapt=False, drafter=drafter, tree=args.tree)
-    rows = write_report(args.out, served, args.window, control)
+        control = run_loop(args.out / "control", *run, adapt=False, drafter=drafter, tree=args.tree,
+                           vllm_python=vllm_python)  # fmt: skip
+    note = None
+    if vllm_python:
+        published = read_current(args.out / "loop" / "publish")
+        note = (f"vLLM served {drafter} with the plugin; the graft daemon read the same logs and published adjacency "
+                f"version {published[0] if published else 0}, which vLLM cannot use (it has no proposer that reads "
+                "an adjacency): the adjacency column stays 0.")  # fmt: skip
+    rows = write_report(args.out, served, args.window, control, note)
     print((args.out / "loop.md").read_text())
     foreign = [r for r in rows if r["domain"] == "foreign"]
-    print(f"foreign τ: first window {foreign[0]['tau']:.3f} (versions {foreign[0]['versions']}), last "
-          f"{foreign[-1]['tau']:.3f} (versions {foreign[-1]['versions']}); {time.time() - start:.0f} s")  # fmt: skip
+    print(f"foreign τ: first window {foreign[0]['tau']:.3f} (versions {foreign[0]['versions']}, drafter "
+          f"{foreign[0]['drafter_versions']}), last {foreign[-1]['tau']:.3f} (versions {foreign[-1]['versions']}, "
+          f"drafter {foreign[-1]['drafter_versions']}); {time.time() - start:.0f} s")  # fmt: skip
     if drafter is not None:
         decisions = bandit_decisions(args.out / "loop")
         published = [d["published"] for d in decisions if d.get("published")]

@@ -77,7 +77,9 @@ def overhead(args: argparse.Namespace, models: tuple, budget: int, log_dir: Path
 
             session = make_session("ddtree", target, drafter)
             cpu = time.process_time()
-            g = generate(target, session, builder, prompt, args.max_new_tokens, budget, on_step=hook)
+            g = generate(
+                target, session, builder, prompt, args.max_new_tokens, budget, on_step=hook, step_topk=MIN_TOPK
+            )
             if hook is not None:
                 recorder.finish(prompt.tolist(), g.tokens)
                 # The writer thread's work counts in the CPU time (all threads of the process).

@@ -56,7 +56,7 @@ def test_the_scan_sees_the_package():
     assert "trainer.drafters.dflash" in MODULES["trainer.decoding.drafting"]
 
 
-def test_drafters_spec_and_data_import_no_lightning():
+def test_drafters_decoding_data_and_vlog_import_no_lightning():
     assert violations(WITHOUT_LIGHTNING, ("lightning", "pytorch_lightning", "trainer.training")) == []
 
 
@@ -70,27 +70,125 @@ def test_nothing_imports_the_cli():
     assert importers == []
 
 
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` (node -> nodes it points to) as a path that ends where it starts, or None."""
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                walk = [*path, node]
+                return [*walk[walk.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt, [*path, node])):
+                return cycle
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node, [])):
+            return cycle
+    return None
+
+
 def test_no_import_cycles():
     graph = {m: {i for i in imported if i in MODULES and i != m} for m, imported in MODULES.items()}
     # Importing a submodule runs its package's __init__ first; that edge is not a cycle of the code.
     graph = {m: {i for i in edges if not within(m, i)} for m, edges in graph.items()}
-    state: dict[str, str] = {}
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
 
-    def visit(module: str, path: list[str]) -> list[str] | None:
-        state[module] = "open"
-        for nxt in sorted(graph[module]):
-            if state.get(nxt) == "open":
-                walk = [*path, module]
-                return [*walk[walk.index(nxt) :], nxt]
-            if nxt not in state and (cycle := visit(nxt, [*path, module])):
-                return cycle
-        state[module] = "done"
-        return None
 
-    for module in sorted(graph):
-        if module not in state:
-            cycle = visit(module, [])
-            assert cycle is None, " -> ".join(cycle)
+# The direction between packages (a subpackage of trainer, or a top-level module): each may import only those
+# listed, so a new edge is a decision made here, and the table itself has no cycle. docs/design.md draws it.
+FOUNDATION = ("trainer.errors", "trainer.io", "trainer.paths")
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "trainer.errors": (),
+    "trainer.io": (),
+    "trainer.paths": (),
+    "trainer.masks": (),
+    "trainer.sampling": (),
+    "trainer.textstats": (),
+    "trainer.console": (),
+    "trainer.devices": ("trainer.errors",),
+    "trainer.runs": ("trainer.errors",),
+    "trainer.recipes": ("trainer.errors", "trainer.paths"),
+    "trainer.target": ("trainer.errors", "trainer.paths"),
+    "trainer.snapshots": ("trainer.errors", "trainer.io"),
+    "trainer.strategies": ("trainer.io",),
+    "trainer.checkpoint_io": ("trainer.io",),
+    "trainer.callbacks": ("trainer.errors",),
+    "trainer.optim": (),
+    "trainer.drafters": (*FOUNDATION, "trainer.masks"),
+    "trainer.losses": ("trainer.drafters",),
+    "trainer.tiny": (*FOUNDATION, "trainer.optim", "trainer.textstats"),
+    "trainer.data": (*FOUNDATION, "trainer.devices", "trainer.drafters", "trainer.masks", "trainer.recipes",
+                     "trainer.sampling", "trainer.target", "trainer.tiny"),
+    "trainer.decoding": ("trainer.errors", "trainer.drafters", "trainer.masks", "trainer.sampling", "trainer.target"),
+    "trainer.vlog": ("trainer.errors", "trainer.io", "trainer.decoding", "trainer.sampling"),
+    "trainer.training": (*FOUNDATION, "trainer.data", "trainer.drafters", "trainer.losses", "trainer.masks",
+                         "trainer.optim", "trainer.target"),
+    "trainer.export": (*FOUNDATION, "trainer.devices", "trainer.drafters", "trainer.runs"),
+    "trainer.evaluate": (*FOUNDATION, "trainer.decoding", "trainer.devices", "trainer.drafters", "trainer.runs",
+                         "trainer.snapshots", "trainer.target", "trainer.textstats", "trainer.vlog"),
+    "trainer.serve": (*FOUNDATION, "trainer.data", "trainer.decoding", "trainer.devices", "trainer.drafters",
+                      "trainer.snapshots", "trainer.target", "trainer.vlog"),
+    "trainer.adapt": (*FOUNDATION, "trainer.data", "trainer.devices", "trainer.drafters", "trainer.snapshots",
+                      "trainer.target", "trainer.training", "trainer.vlog"),
+    "trainer.integrations": (*FOUNDATION, "trainer.decoding", "trainer.drafters", "trainer.evaluate",
+                             "trainer.export", "trainer.sampling", "trainer.snapshots", "trainer.vlog"),
+    "trainer.cli": ("trainer.adapt", "trainer.console", "trainer.data", "trainer.errors", "trainer.evaluate",
+                    "trainer.export", "trainer.recipes", "trainer.serve", "trainer.training"),
+    "trainer.__main__": ("trainer.cli",),
+    "trainer": (),
+}  # fmt: skip
+
+
+def package_of(module: str) -> str:
+    """``trainer.decoding.engine`` -> ``trainer.decoding``; a top-level module is its own package."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def package_graph(modules: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package -> the other packages its modules import (project imports only)."""
+    graph: dict[str, set[str]] = {}
+    for module, imported in modules.items():
+        edges = graph.setdefault(package_of(module), set())
+        edges.update(package_of(i) for i in imported if within(i, "trainer") and i != "trainer")
+    return {p: edges - {p} for p, edges in graph.items()}
+
+
+def disallowed(graph: dict[str, set[str]], allowed: dict[str, tuple[str, ...]]) -> list[str]:
+    unknown = [f"{p} is in no row of ALLOWED" for p in graph if p not in allowed]
+    placed = {p: edges for p, edges in graph.items() if p in allowed}
+    return unknown + sorted(f"{p} imports {q}" for p, edges in placed.items() for q in edges - set(allowed[p]))
+
+
+def test_packages_import_only_in_the_allowed_direction():
+    assert disallowed(package_graph(MODULES), ALLOWED) == []
+
+
+def test_the_allowed_direction_has_no_cycle():
+    cycle = find_cycle({p: set(edges) for p, edges in ALLOWED.items()})
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_package_check_catches_a_violation():
+    """The checker on a made-up graph: an edge against the table, an unplaced package, and a package cycle."""
+    modules = {"trainer.decoding.engine": {"trainer.vlog.schema"}, "trainer.vlog.recorder": {"trainer.decoding.engine"},
+               "trainer.newpkg.x": {"trainer.errors"}}  # fmt: skip
+    graph = package_graph(modules)
+    assert graph == {"trainer.decoding": {"trainer.vlog"}, "trainer.vlog": {"trainer.decoding"},
+                     "trainer.newpkg": {"trainer.errors"}}  # fmt: skip
+    expected = ["trainer.newpkg is in no row of ALLOWED", "trainer.decoding imports trainer.vlog"]
+    assert disallowed(graph, ALLOWED) == expected
+    assert find_cycle(graph) == ["trainer.decoding", "trainer.vlog", "trainer.decoding"]
+
+
+def test_the_daemons_reach_training_only_through_the_training_step_api():
+    reached = [v.split(" imports ")[1] for v in violations(("trainer.adapt",), ("trainer.training",))]
+    assert reached and all(within(name, "trainer.training.step") for name in reached), reached
 
 
 def test_lightning_stays_out_transitively():

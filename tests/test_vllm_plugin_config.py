@@ -6,18 +6,21 @@ PYTHONPATH=$PWD python -m pytest tests/test_vllm_plugin_config.py -q
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from trainer.errors import UserError
 from trainer.integrations.vllm import register
 from trainer.integrations.vllm.config import PluginConfig
+from trainer.integrations.vllm.hooks import ended_output
 
 
 def test_unconfigured_the_plugin_does_nothing(monkeypatch):
     for name in ("TRAINER_VLLM_CONFIG", "TRAINER_VLLM_LOG_DIR", "TRAINER_VLLM_WATCH"):
         monkeypatch.delenv(name, raising=False)
     assert not PluginConfig.from_env().enabled
+    monkeypatch.delitem(sys.modules, "trainer.integrations.vllm.hooks", raising=False)
     register()  # would import vLLM (absent here, or patch it there) if it did anything
     assert "trainer.integrations.vllm.hooks" not in sys.modules
 
@@ -62,3 +65,27 @@ def test_export_check_without_vllms_environment_says_how_and_writes_nothing(tmp_
     with pytest.raises(UserError, match=r"--check vllm needs vLLM's python .*\.ci/vllm_env"):
         main(["checkpoints/eagle3_tiny", "--format", "speculators", "--out", str(out), "--check", "vllm"])
     assert not out.exists()
+
+
+def params(max_tokens=8, min_tokens=0, eos=2, ignore_eos=False, stop_token_ids=()):
+    return SimpleNamespace(max_tokens=max_tokens, min_tokens=min_tokens, eos_token_id=eos, ignore_eos=ignore_eos,
+                           stop_token_ids=list(stop_token_ids))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("output", "p", "ended"),
+    [
+        ([5, 6, 7], params(), None),  # goes on
+        ([5, 6, 2], params(), [5, 6, 2]),  # EOS as the step's last token
+        ([5, 2, 6, 7], params(), [5, 2]),  # EOS among the step's accepted tokens: cut after it
+        ([5, 2, 6], params(min_tokens=3), None),  # EOS before min_tokens does not stop
+        ([5, 2, 6], params(ignore_eos=True), None),
+        ([5, 9, 6], params(stop_token_ids=[9]), [5, 9]),
+        (list(range(10, 20)), params(max_tokens=8), list(range(10, 18))),  # past the length limit: cut
+        (list(range(10, 18)), params(max_tokens=8), list(range(10, 18))),  # exactly at it
+    ],
+)
+def test_the_worker_tells_which_step_ended_a_request(output, p, ended):
+    """Where vLLM's worker has a process of its own it hears of a finished request a step late: the plugin writes
+    the request record on the step that ended it (length or stop token), with the output the scheduler keeps."""
+    assert ended_output(output, p) == ended

@@ -227,7 +227,7 @@ def evaluate(
             )  # fmt: skip
         g = generate(
             target, session, BUILDERS[tree], encoded[i], max_new_tokens, budget, conditions[cond], gen, stop_token_ids,
-            options, recorder, now,
+            options, recorder, now, step_topk=recorder.k if recorder is not None else 0,
         )  # fmt: skip
         if recorder is not None:
             recorder.finish(encoded[i].tolist(), g.tokens)

@@ -83,11 +83,11 @@ from trainer.io import write_text_atomic
 from trainer.paths import project_path
 from trainer.snapshots import publish, read_current, read_manifest
 from trainer.target import Target, load_causal_lm
-from trainer.training.specblock_losses import SpecBlockOptions
 from trainer.training.step import (
     BlockStepOptions,
     Drafter,
     NonFiniteStep,
+    SpecBlockOptions,
     SpecBlockStepOptions,
     StepOptions,
     chain_depth,

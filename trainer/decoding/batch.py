@@ -68,7 +68,6 @@ from trainer.decoding.verify import GREEDY, Sampling, accept, committed
 from trainer.masks import additive_mask
 from trainer.sampling import top_rows
 from trainer.target import capture_layers, layer_features
-from trainer.vlog.schema import MIN_TOPK
 
 LOG = logging.getLogger("trainer.decoding")
 
@@ -286,6 +285,7 @@ class BatchEngine:
         on_step: Callable[[RowStep], None] | None = None,
         max_batch: int = 16,
         prefill_topk: int = 0,
+        step_topk: int = 0,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -298,6 +298,8 @@ class BatchEngine:
         # k > 0: keep each request's prompt top-k (the verifier log's prompt evidence) when its prefill computes
         # the logits of every prompt position anyway (a session learns from them); k = 0: never.
         self.prefill_topk = prefill_topk
+        # The width of ``RowStep.top_ids`` handed to ``on_step`` (0: none), as ``generate``'s ``step_topk``.
+        self.step_topk = step_topk
         self.device = target.device
         self.dtype = next(target.parameters()).dtype
         self.cache_kw = _cache_kwarg(target)
@@ -544,8 +546,8 @@ class BatchEngine:
             logits = out.logits.float()
             # A row's top-k ids when its step is logged and greedy: its choice is their first column.
             top_ids = [
-                top_rows(logits[b, : tree.tokens.numel()], MIN_TOPK)[0]
-                if self.on_step is not None and r.sampling.greedy
+                top_rows(logits[b, : tree.tokens.numel()], self.step_topk)[0]
+                if self.on_step is not None and self.step_topk and r.sampling.greedy
                 else None
                 for b, (r, tree) in enumerate(zip(rows, trees, strict=True))
             ]

@@ -71,7 +71,6 @@ from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
 from trainer.sampling import top_rows
 from trainer.target import capture_layers, layer_features
-from trainer.vlog.schema import MIN_TOPK
 
 DEFAULT_OPTIONS = TreeOptions()
 
@@ -487,7 +486,7 @@ class StepEvent:
     ms: dict[str, float]
     budget: int
     builder: str
-    # Shape: (N + 1, MIN_TOPK): ``top_rows`` of ``logits``, when greedy verification found them (its choice is
+    # Shape: (N + 1, step_topk): ``top_rows`` of ``logits``, when greedy verification found them (its choice is
     # their first column); None otherwise. Saves the hook that logs the top-k a second pass over the logits.
     top_ids: torch.Tensor | None = None
 
@@ -526,12 +525,15 @@ def generate(
     options: TreeOptions = DEFAULT_OPTIONS,
     on_step: Callable[[StepEvent], None] | None = None,
     now: Callable[[], float] = time.perf_counter,
+    step_topk: int = 0,
 ) -> Generation:
     """Decode up to ``max_new_tokens`` after ``prompt`` (Shape: (P,)). Lossless: greedy output equals the
     target's greedy decoding; sampled output is distributed as the target's sampling with ``sampling``.
     ``on_step`` is called after every verification step (timed as the ``log`` phase); it reports the
     verifier's acceptance, which the last step may commit only in part (``max_new_tokens``, stop tokens).
-    ``now`` is the clock every time is read from (see :class:`Clock`)."""
+    ``now`` is the clock every time is read from (see :class:`Clock`). ``step_topk``: the width of
+    ``StepEvent.top_ids`` (0: none), found by greedy verification in its own pass over the logits, so that a hook
+    logging each row's top-k (the verifier log's width) need not pass over them again."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
     device = target.device
@@ -577,7 +579,7 @@ def generate(
                     **{cache_kw: cache},
                 )
             logits = out.logits[0].float()
-            top_ids = top_rows(logits, MIN_TOPK)[0] if on_step is not None and sampling.greedy else None
+            top_ids = top_rows(logits, step_topk)[0] if on_step is not None and step_topk and sampling.greedy else None
             result = accept(tree, logits, sampling, generator, top_ids)
         with clock("commit"):
             new = committed(tree, result, remaining, stops)

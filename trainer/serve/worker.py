@@ -92,6 +92,7 @@ class Worker:
         engine.on_failure = self._on_failure
         if writer is not None:
             engine.on_step = self._on_step
+            engine.step_topk = MIN_TOPK
             # Request records carry the prompt's top-k: the graft daemon's evidence for prompt positions.
             engine.prefill_topk = MIN_TOPK
 

@@ -11,7 +11,7 @@ encoding always run on the writer thread::
 
     recorder = StepRecorder(writer, server="eval", request="p0", tenant=None, shareable=True,
                             drafter="dflash_tiny", drafter_version=None)
-    g = generate(target, session, builder, prompt, 64, budget=16, on_step=recorder)
+    g = generate(target, session, builder, prompt, 64, budget=16, on_step=recorder, step_topk=recorder.k)
     recorder.finish(prompt.tolist(), g.tokens)
 """
 

@@ -140,6 +140,8 @@ class Recorder:
         self.scheduler_here = False
         # The hot reloader when a publish directory is watched (set by ``install``).
         self.reloader: Any = None
+        # Requests whose record the worker wrote when their last step ended them (``_update_states`` skips them).
+        self.closed: set[str] = set()
 
     @property
     def writer(self) -> LogWriter:
@@ -160,6 +162,7 @@ class Recorder:
         draft_ids = np.zeros(0, np.int64) if metadata is None else metadata.draft_token_ids.cpu().numpy()
         ms = {"draft": self.draft_ms, "tree": 0.0, "verify": verify_ms}
         fields = []
+        ended: list[tuple[str, Any, list[int]]] = []
         row = first_draft = 0
         for b, req_id in enumerate(runner.input_batch.req_ids):
             n = drafts[b]
@@ -194,6 +197,8 @@ class Recorder:
                         ),
                     )
                 )
+                if not self.scheduler_here:
+                    ended.append((req_id, state, [*state.output_token_ids, *valid.tolist()]))
             row += n + 1
             first_draft += n
         if not fields:
@@ -202,6 +207,14 @@ class Recorder:
         for first, record in fields:
             rows = slice(first, first + len(record["tokens"]) + 1)
             self.writer.write(lambda rows=rows, record=record: step_record(**record, **top.rows(rows)))
+        # Without the scheduler in this process a finished request is reported a step late; one that this step
+        # ended by its length or a stop token is recorded now, after its last step record (the last request
+        # before a shutdown would otherwise have no record).
+        for req_id, state, output in ended:
+            params = state.sampling_params
+            if params is not None and (cut := ended_output(output, params)) is not None:
+                self.finished(req_id, params, state.prompt_token_ids, cut)
+                self.closed.add(req_id)
 
     def finished(self, request_id: str, params: Any, prompt_ids: list[int], output_ids: list[int]) -> None:
         """The request record of a finished request."""
@@ -221,18 +234,33 @@ class Recorder:
         )
 
 
-def trimmed(output_ids: list[int], params: Any) -> list[int]:
-    """A worker's view of a finished request's output cut as the scheduler cuts it (``check_stop``): at
-    ``max_tokens`` and after the first stop token (EOS unless ignored, ``stop_token_ids``) past ``min_tokens``.
-    Stop strings are the front end's: an output they ended is logged as far as the worker computed it."""
+def stop_ids(params: Any) -> set[int]:
+    """The token ids that end a request (``check_stop``): EOS unless ignored, and ``stop_token_ids``."""
     stops = set(params.stop_token_ids or ())
     if not params.ignore_eos and params.eos_token_id is not None:
         stops.add(params.eos_token_id)
+    return stops
+
+
+def trimmed(output_ids: list[int], params: Any) -> list[int]:
+    """A worker's view of a finished request's output cut as the scheduler cuts it (``check_stop``): at
+    ``max_tokens`` and after the first stop token (:func:`stop_ids`) past ``min_tokens``. Stop strings are the
+    front end's: an output they ended is logged as far as the worker computed it."""
+    stops = stop_ids(params)
     out = list(output_ids[: params.max_tokens])
     for i, token in enumerate(out):
         if token in stops and i + 1 > params.min_tokens:
             return out[: i + 1]
     return out
+
+
+def ended_output(output_ids: list[int], params: Any) -> list[int] | None:
+    """The output of a request that ``output_ids`` finished (its length limit or a stop token, cut as
+    :func:`trimmed` cuts it), or None while it goes on from the worker's view (stop strings and aborts are the
+    front end's)."""
+    cut = trimmed(output_ids, params)
+    by_stop = bool(cut) and cut[-1] in stop_ids(params) and len(cut) > params.min_tokens
+    return cut if by_stop or len(cut) >= params.max_tokens else None
 
 
 def top_of(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,7 +403,9 @@ def install(config: PluginConfig) -> Recorder:
         if config.log_dir is not None and not recorder.scheduler_here:
             for req_id in scheduler_output.finished_req_ids:
                 state = self.requests.get(req_id)
-                if state is not None and state.sampling_params is not None:
+                if req_id in recorder.closed:
+                    recorder.closed.discard(req_id)
+                elif state is not None and state.sampling_params is not None:
                     output = trimmed(state.output_token_ids, state.sampling_params)
                     recorder.finished(req_id, state.sampling_params, state.prompt_token_ids, output)
         return update_states(self, scheduler_output)
