@@ -117,6 +117,18 @@ def wait_for_publications(directories: list[Path], deadline: float) -> None:
         time.sleep(0.5)
 
 
+def wait_for_records(logs: Path, requests: list[str], deadline: float) -> None:
+    """Before vLLM stops: its worker writes the log on a thread of its own and ends without exit handlers, so the
+    last records must be on disk first (each request's record follows its last step record)."""
+    while True:
+        done = {r["request"].rsplit("-", 2)[0] for r in log_records(logs) if r["kind"] == "request"}
+        if done >= set(requests):
+            return
+        if time.time() > deadline:
+            raise RuntimeError(f"no request record of {sorted(set(requests) - done)[:3]} in {logs}")
+        time.sleep(0.5)
+
+
 def start_vllm(out: Path, python: str, drafter: str, logs: Path, watch: Path | None) -> VllmServer:
     """vLLM's server with the plugin: it serves ``drafter`` exported in the layout vLLM loads (EAGLE-3:
     speculators; DFlash and TreeFlash: dflash, the approximator dropped), logs to ``logs`` and hot-loads the
@@ -143,8 +155,10 @@ def run_loop(
     tree: str = "graft-dflash",
     vllm_python: str | None = None,
     bandit_options: tuple[str, ...] = (),
+    foreign: int | None = None,
 ) -> list[Served]:
-    """Serve ``requests`` stdlib prompts, wait for the daemons' first snapshots, then serve ``2 * requests``
+    """Serve ``requests`` stdlib prompts, wait for the daemons' first snapshots, then serve ``foreign`` (default
+    ``2 * requests``)
     foreign ones. Without ``adapt``: the same stream with no daemon (the server's own online learning only).
     ``drafter`` None: drafter-free recycling and no bandit daemon. ``tree`` "auto": the server's default, the
     cost-aware controller choosing plain decoding, recycling or the drafter's DDTree every step (the README's
@@ -158,8 +172,9 @@ def run_loop(
     publish_dir.mkdir(parents=True, exist_ok=True)
     if drafter is not None:
         drafters.mkdir(exist_ok=True)
-    stream = prompts(2 * requests)
-    order = [("stdlib", p) for p in stream["stdlib"][:requests]] + [("foreign", p) for p in stream["foreign"]]
+    foreign = 2 * requests if foreign is None else foreign
+    stream = prompts(max(requests, foreign))
+    order = [("stdlib", p) for p in stream["stdlib"][:requests]] + [("foreign", p) for p in stream["foreign"][:foreign]]
     if drafter is None:
         serving = ["--drafter", "none", "--tree", "recycling"]
     else:
@@ -210,6 +225,8 @@ def run_loop(
                     # vLLM loads no adjacency; the drafter versions come from the request's step records below.
                     adjacency, drafter_version = 0, 0
                 sent.append((domain, response.json()["id"], int(adjacency), int(drafter_version)))
+        if vllm_python is not None:
+            wait_for_records(logs, [rid for _, rid, _, _ in sent], time.time() + 60)
     finally:
         server.stop()
         for daemon in daemons.values():
@@ -330,7 +347,8 @@ def write_report(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--requests", type=int, default=40, help="stdlib requests; twice as many foreign ones follow")
+    p.add_argument("--requests", type=int, default=40, help="stdlib requests")
+    p.add_argument("--foreign", type=int, default=None, help="foreign requests that follow (default: 2 x --requests)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--publish-seconds", type=float, default=5.0)
@@ -357,11 +375,11 @@ def main() -> None:
     bandit = tuple(shlex.split(args.bandit_options))
     run = (args.requests, args.max_tokens, args.temperature, args.publish_seconds)
     served = run_loop(args.out / "loop", *run, drafter=drafter, tree=args.tree, vllm_python=vllm_python,
-                      bandit_options=bandit)  # fmt: skip
+                      bandit_options=bandit, foreign=args.foreign)  # fmt: skip
     control = None
     if not args.no_control:
         control = run_loop(args.out / "control", *run, adapt=False, drafter=drafter, tree=args.tree,
-                           vllm_python=vllm_python)  # fmt: skip
+                           vllm_python=vllm_python, foreign=args.foreign)  # fmt: skip
     note = None
     if vllm_python:
         published = read_current(args.out / "loop" / "publish")

@@ -333,10 +333,13 @@ def install(config: PluginConfig) -> Recorder:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from trainer.integrations.vllm.metrics import DrafterFigures, figures_file
     from trainer.integrations.vllm.reload import Reloader
 
     recorder = Recorder(config)
-    reloader = Reloader(config.watch, config.poll_seconds, recorder) if config.watch is not None else None
+    reloader = None
+    if config.watch is not None:
+        reloader = Reloader(config.watch, config.poll_seconds, recorder, DrafterFigures(figures_file()))
     execute_model = GPUModelRunner.execute_model
     sample = GPUModelRunner._sample
     propose = GPUModelRunner.propose_draft_token_ids

@@ -100,20 +100,25 @@ class VllmServer:
         """The values of metric families on ``/metrics``, each summed over its label sets (0 when absent)."""
         text = httpx.get(f"{self.url}/metrics", timeout=30).text
         pattern = r"^{}(?:\{{[^}}]*\}})? (\S+)$"
-        return [
-            sum(float(v) for v in re.findall(pattern.format(re.escape(n)), text, re.MULTILINE)) for n in names
-        ]
+        return [sum(float(v) for v in re.findall(pattern.format(re.escape(n)), text, re.MULTILINE)) for n in names]
 
     def stop(self, timeout: float = 60.0) -> None:
-        """SIGINT to the server's process group (vLLM shuts its engine down on it), then SIGKILL after
-        ``timeout``."""
-        if self.process.poll() is not None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGINT)
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=30)
-        except ProcessLookupError:
-            pass
+        """SIGTERM to the server's processes (vLLM shuts its engine down and the plugin finishes its log), SIGKILL
+        to what is left after ``timeout``."""
+        stop_group(self.process, timeout)
+
+
+def stop_group(leader: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGTERM to the process group that ``leader`` (started with ``start_new_session``) leads, then SIGKILL if any
+    of it is alive after ``timeout`` seconds; ``leader`` is reaped."""
+    try:
+        os.killpg(leader.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            leader.poll()  # a zombie leader would keep its group alive to kill(0)
+            os.killpg(leader.pid, 0)
+            time.sleep(0.2)
+        os.killpg(leader.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    leader.wait(timeout=30)

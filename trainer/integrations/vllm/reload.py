@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from prometheus_client import Counter
 
 from trainer.drafters import load_drafter
 from trainer.drafters.dflash import DFlashDraftModel
@@ -31,14 +30,10 @@ from trainer.export.dflash import as_dflash
 from trainer.export.speculators import dflash_layout, eagle3_layout
 from trainer.export.speculators import load as load_speculators
 from trainer.integrations.vllm.config import PluginError
+from trainer.integrations.vllm.metrics import DrafterFigures
 from trainer.snapshots import read_current
 
 logger = logging.getLogger("trainer.vllm")
-
-
-# In the process that runs the drafter (vLLM's engine core); vLLM's own /metrics serves its API server's registry.
-SWAPS = Counter("trainer_vllm_drafter_swaps", "Published drafter versions swapped into vLLM")
-REFUSED = Counter("trainer_vllm_drafter_refused", "Published drafter versions refused (unloadable or mismatched)")
 
 
 class RefusedVersion(Exception):
@@ -94,8 +89,10 @@ def reload_in_place(draft: torch.nn.Module, target: torch.nn.Module, vllm_config
 
 
 class Reloader:
-    def __init__(self, watch: Path, poll_seconds: float, recorder: Any) -> None:
+    def __init__(self, watch: Path, poll_seconds: float, recorder: Any, figures: DrafterFigures) -> None:
         self.watch = Path(watch)
+        # Swaps, refusals and the version serving, for vLLM's /metrics (trainer.integrations.vllm.metrics).
+        self.figures = figures
         self.poll_seconds = poll_seconds
         self.recorder = recorder
         self.runner: Any = None
@@ -134,7 +131,7 @@ class Reloader:
             self.swap(version, directory)
         except RefusedVersion as e:
             self.refused.add(version)
-            REFUSED.inc()
+            self.figures.add("refused")
             logger.error("trainer plugin: refused drafter version %d from %s: %s; the old weights keep serving",
                          version, directory, e)  # fmt: skip
 
@@ -159,7 +156,8 @@ class Reloader:
         )
         self.recorder.version = version
         self.swaps += 1
-        SWAPS.inc()
+        self.figures.add("swaps")
+        self.figures.set("version", version)
         self.swap_ms.append(1000 * (time.perf_counter() - start))
         logger.info("trainer plugin: drafter version %d from %s swapped in (%.1f ms)", version, directory,
                     self.swap_ms[-1])  # fmt: skip
