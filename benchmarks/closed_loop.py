@@ -278,10 +278,15 @@ def bandit_decisions(out: Path) -> list[dict]:
 
 
 def windows(served: list[Served], size: int) -> list[dict]:
-    """τ per window of ``size`` consecutive requests of one domain (steps-weighted)."""
+    """τ per window of at most ``size`` consecutive requests of one domain (steps-weighted); a window never spans
+    the shift, so every request is in one."""
+    chunks: list[list[Served]] = []
+    for s in served:
+        if not chunks or len(chunks[-1]) == size or chunks[-1][0].domain != s.domain:
+            chunks.append([])
+        chunks[-1].append(s)
     rows = []
-    for start in range(0, len(served), size):
-        chunk = [s for s in served[start : start + size] if s.domain == served[start].domain]
+    for chunk in chunks:
         steps = sum(s.steps for s in chunk)
         rows.append({
             "requests": f"{chunk[0].index}-{chunk[-1].index}",

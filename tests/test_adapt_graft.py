@@ -498,7 +498,8 @@ def _daemon(logs, pub, target, *flags):
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def _wait_for(path, timeout=60.0):
+def _wait_for(path, timeout=180.0):
+    # Generous: a daemon starts in seconds, but far slower on a machine busy with other jobs.
     deadline = time.monotonic() + timeout
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} did not appear"
