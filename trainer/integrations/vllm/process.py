@@ -103,8 +103,8 @@ class VllmServer:
         return [sum(float(v) for v in re.findall(pattern.format(re.escape(n)), text, re.MULTILINE)) for n in names]
 
     def stop(self, timeout: float = 60.0) -> None:
-        """SIGTERM to the server's processes (vLLM shuts its engine down and the plugin finishes its log), SIGKILL
-        to what is left after ``timeout``."""
+        """SIGTERM to the server's processes, SIGKILL to what is left after ``timeout``. vLLM's server kills its
+        worker on the way out: the plugin's segment stays ``.part`` with every record already flushed."""
         stop_group(self.process, timeout)
 
 

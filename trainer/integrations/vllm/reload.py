@@ -98,9 +98,12 @@ class Reloader:
         self.runner: Any = None
         self.reference: tuple[dict[str, Any], dict[str, tuple]] | None = None
         self.refused: set[int] = set()
-        self.swaps = 0
         self.swap_ms: list[float] = []
         self._next_poll = 0.0
+
+    @property
+    def swaps(self) -> int:
+        return len(self.swap_ms)
 
     def attach(self, runner: Any) -> None:
         """Remember the served drafter's architecture (from the directory vLLM loaded it from)."""
@@ -155,7 +158,6 @@ class Reloader:
             self.runner.get_draft_model(), self.runner.get_model(), self.runner.vllm_config, iter(weights.items())
         )
         self.recorder.version = version
-        self.swaps += 1
         self.figures.add("swaps")
         self.figures.set("version", version)
         self.swap_ms.append(1000 * (time.perf_counter() - start))
