@@ -292,6 +292,21 @@ def test_plan_updates_exactly_when_expected_net_gain_is_positive(seconds):
     assert drifted.gain == pytest.approx(200.0)
 
 
+def test_an_update_on_a_separate_device_costs_its_exchange_rate():
+    # The update of the test above that costs 8 s: 160 tokens co-located, more than its 80-token gain; on a
+    # trainer device whose second is worth a tenth of a serving second, 16 tokens plus the swap.
+    arms = (Arm("a", "full", 4, 1e-3),)
+    rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
+    for share, cost in [(1.0, 160.0 + 2.0), (0.1, 16.0 + 2.0), (0.0, 2.0)]:
+        config = BanditConfig(prior_lift=0.1, prior_recovery=0.5, horizon_requests=10, update_cost_share=share,
+                              swap_seconds=0.1)  # fmt: skip
+        stats = {"a": ArmStats.fresh(config)}
+        stats["a"].measured(8.0)
+        choice, (estimate,) = plan(rates, FRESH, arms, stats, config)
+        assert estimate.cost == pytest.approx(cost)
+        assert (choice == "a") == (share < 1.0)
+
+
 def test_plan_learns_from_shadow_outcomes():
     config = BanditConfig(prior_lift=0.1, prior_recovery=0.5, horizon_requests=10, swap_seconds=0.0)
     arms = (Arm("a", "full", 4, 1e-3), Arm("b", "lora", 4, 1e-3))

@@ -10,7 +10,9 @@ Pure: no files, no models (the daemon, trainer/adapt/bandit_daemon.py, measures 
   ``θ · H`` tokens are served;
 - gain of a candidate with τ' (same drafter shape, so same ``s``): ``θ · H · (τ'/τ - 1)`` served tokens;
 - cost of an update: its measured seconds (target forwards for features, optimiser steps, shadow evaluation)
-  plus the swap, times ``θ``: the tokens the server would have served meanwhile.
+  times ``update_cost_share``, plus the swap, times ``θ``: the tokens the server would have served meanwhile.
+  The share is 1 when the update runs on the serving device (its seconds are taken from serving); on a separate
+  trainer device it is the stated exchange rate of a trainer-device second into serving seconds.
 
 Before an update is paid for, its gain is predicted from its *context* ``x = (novelty, drift)``:
 
@@ -94,6 +96,8 @@ class BanditConfig:
     lift_decay: float = 0.9
     prior_seconds_per_step: float = 0.5
     swap_seconds: float = 0.05
+    # Serving seconds one second of an update costs: 1 co-located; a trainer device's exchange rate otherwise.
+    update_cost_share: float = 1.0
     buffer_requests: int = 64
     holdout_every: int = 4
     explore_share: float = 0.05
@@ -358,7 +362,7 @@ def plan(
         tau_gain = rates.tau * scale * max(0.0, lift.upper(context.x, config.ucb))
         mean_gain = gain_tokens(rates, rates.tau * (1 + scale * max(0.0, lift.mean(context.x))), config)
         seconds = s.seconds if s.seconds is not None else arm.steps * seconds_per_step
-        cost = cost_tokens(rates, seconds + config.swap_seconds)
+        cost = cost_tokens(rates, seconds * config.update_cost_share + config.swap_seconds)
         gain = gain_tokens(rates, rates.tau + tau_gain, config)
         estimates.append(ArmEstimate(arm.name, tau_gain, gain, mean_gain, cost, lift.n))
     best = max(estimates, key=lambda e: e.net, default=None)
