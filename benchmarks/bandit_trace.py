@@ -8,14 +8,16 @@ update costs a few hundred steps of serving, so no update can pay back within th
 In production a shift lasts hours. Here the long stream is simulated and the drafters are real:
 
 - **Versions.** The shipped TreeFlash drafter, and every candidate a policy asks for, exist as weights: a
-  candidate is the daemon's own arm (trainer/adapt/bandit.py, ``DEFAULT_ARMS``) trained from the version in service
-  on that version's logged traffic of the current phase, by ``BanditDaemon.train``; its seconds are measured. A
-  candidate is a function of (version, phase, arm), so policies and seeds that ask for the same one share it. The
-  n-th update of a lineage trains on the n-th slice of the phase's traffic windows (fresh traffic, as a server's
-  replay buffer would hold).
+  candidate is the daemon's own arm (trainer/adapt/bandit.py, ``DEFAULT_ARMS``) trained by ``BanditDaemon.train``
+  from the version in service on ``--traffic`` logged requests of the current phase (a daemon's replay buffer);
+  its seconds are measured. A candidate is a function of (version, phase, arm), so policies and seeds that ask for
+  the same one share it. The n-th update of a lineage trains on part n (mod ``--slices``) of the phase's traffic
+  prompts: fresh traffic, as a server's replay buffer would hold.
 - **Measurements.** Each version that serves a phase decodes ``--heldout`` held-out prompts of that phase (its τ:
-  tokens and steps per request) and, when a daemon reads its logs or a candidate trains from it, ``--traffic``
-  other prompts with the verifier log on. Decoding work grows with versions x sample sizes, not with the stream.
+  tokens and steps per request); a version whose logs a daemon reads also decodes ``--traffic`` traffic prompts
+  with the verifier log on. Decoding work grows with versions x sample sizes, not with the stream. (Training
+  reads the logged requests' tokens only, the target's own greedy output whoever drafted, so a candidate trains
+  on the shipped drafter's log of the same prompts.)
 - **The clock.** Requests arrive at ``--rate`` per second (Poisson) or, by default, faster than any version serves
   them (a saturated server: served tokens then measure throughput). A request of the phase in effect at its
   arrival takes the (tokens, steps) of a random held-out request of that phase decoded by the version in service;
@@ -49,6 +51,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -79,23 +82,31 @@ FULL = next(a for a in DEFAULT_ARMS if a.params == "full")
 ARMS = {a.name: a for a in DEFAULT_ARMS}
 # (start as a share of the duration, phase): the standard library, a gentle shift, a hard one, the shift back.
 SCHEDULE = ((0.0, "stdlib"), (0.1, "transformers"), (0.4, "torch"), (0.85, "stdlib"))
+PHASES = tuple(dict.fromkeys(phase for _, phase in SCHEDULE))
 
 
-def phase_windows(tokenizer, phase: str, n: int, prompt_tokens: int) -> list[list[int]]:
-    """``n`` prompts of ``prompt_tokens`` tokens of a phase's text, spread evenly over it (cyclic beyond)."""
+def phase_windows(tokenizer, phase: str, heldout: int, traffic: int, prompt_tokens: int) -> tuple[list, list]:
+    """(held-out prompts, traffic prompts) of ``prompt_tokens`` tokens of a phase's text: disjoint, both spread
+    over the whole text; the traffic cycles over what the held-out ones leave when the text is short."""
     if phase == "stdlib":
         rows = project_path("data/prompts/stdlib_heldout.jsonl").read_text().splitlines()
-        prompts = [tokenizer(json.loads(r)["prompt"])["input_ids"][-prompt_tokens:] for r in rows]
-        return [prompts[i % len(prompts)] for i in range(n)]
-    package = __import__(phase)
-    root = Path(package.__file__).parent
-    files = sorted(root.glob("models/*/modeling_*.py") if phase == "transformers" else root.glob("**/*.py"))
-    # Every k-th file: a spread of the package's styles, tokenized in seconds.
-    files = files[:: max(1, len(files) // 120)]
-    ids = [t for f in files for t in tokenizer(f.read_text(errors="replace"))["input_ids"]]
-    stride = max(prompt_tokens, (len(ids) - prompt_tokens) // n)
-    windows = [ids[i : i + prompt_tokens] for i in range(0, len(ids) - prompt_tokens, stride)]
-    return [windows[i % len(windows)] for i in range(n)]
+        windows = [tokenizer(json.loads(r)["prompt"])["input_ids"][-prompt_tokens:] for r in rows]
+    else:
+        package = __import__(phase)
+        root = Path(package.__file__).parent
+        files = sorted(root.glob("models/*/modeling_*.py") if phase == "transformers" else root.glob("**/*.py"))
+        # Every k-th file: a spread of the package's styles, tokenized in seconds.
+        files = files[:: max(1, len(files) // 120)]
+        ids = [t for f in files for t in tokenizer(f.read_text(errors="replace"))["input_ids"]]
+        stride = max(prompt_tokens, (len(ids) - prompt_tokens) // (heldout + traffic))
+        windows = [ids[i : i + prompt_tokens] for i in range(0, len(ids) - prompt_tokens, stride)]
+    if len(windows) <= heldout:
+        raise SystemExit(f"the {phase} text gives {len(windows)} prompts, not more than --heldout {heldout}")
+    # Every k-th window is held out: both sets span the whole text.
+    every = len(windows) // heldout
+    held = [w for i, w in enumerate(windows) if i % every == every - 1][:heldout]
+    rest = [w for i, w in enumerate(windows) if i % every != every - 1 or i >= every * heldout]
+    return held, [rest[i % len(rest)] for i in range(traffic)]
 
 
 @dataclass
@@ -117,8 +128,8 @@ class Versions:
         self.root, self.args, self.target = out / "versions", args, target
         self.root.mkdir(parents=True, exist_ok=True)
         self.vocab_size = target.config.vocab_size
-        n = args.heldout + args.traffic * args.slices
-        self.windows = {p: phase_windows(tokenizer, p, n, args.prompt_tokens) for p in {p for _, p in SCHEDULE}}
+        n = args.traffic * args.slices
+        self.windows = {p: phase_windows(tokenizer, p, args.heldout, n, args.prompt_tokens) for p in PHASES}
         self.step_seconds: list[float] = []
         self.models: dict[str, torch.nn.Module] = {}
         index = self.root / "index.json"
@@ -174,18 +185,19 @@ class Versions:
     def heldout(self, v: Version, phase: str) -> list[list[int]]:
         """[tokens, steps] of each held-out prompt of ``phase`` decoded by ``v`` (measured once)."""
         if phase not in v.heldout:
-            v.heldout[phase] = self._decode(v, self.windows[phase][: self.args.heldout], None, f"{v.name}-{phase}-h")
+            v.heldout[phase] = self._decode(v, self.windows[phase][0], None, f"{v.name}-{phase}-h")
             self.save()
         return v.heldout[phase]
 
-    def traffic(self, v: Version, phase: str) -> list[list[dict]]:
+    def traffic(self, v: Version, phase: str, part: int | None = None) -> list[list[dict]]:
         """The logged requests of ``v`` serving ``phase``: per request its step records, then its request record.
-        The slice of the phase's traffic windows is the lineage's depth (each update trains on fresh traffic)."""
-        logs = self.root / v.name / f"traffic-{phase}"
+        The part of the phase's traffic prompts is the lineage's depth unless given (each update of a lineage
+        trains on fresh traffic)."""
+        part = len(v.history) % self.args.slices if part is None else part
+        logs = self.root / v.name / f"traffic-{phase}-{part}"
         if not any(logs.glob("*.jsonl")):
-            depth, n = len(v.history) % self.args.slices, self.args.traffic
-            start = self.args.heldout + depth * n
-            self._decode(v, self.windows[phase][start : start + n], logs, f"{v.name}-{phase}")
+            start = part * self.args.traffic
+            self._decode(v, self.windows[phase][1][start : start + self.args.traffic], logs, f"{v.name}-{phase}")
             self.save()
         requests, steps = [], {}
         for _, _, _, record in LogReader(logs, {}, vocab_size=self.vocab_size):
@@ -206,7 +218,9 @@ class Versions:
         with tempfile.TemporaryDirectory() as tmp:
             logs = Path(tmp) / "logs"
             with LogWriter(logs, "traffic", vocab_size=self.vocab_size) as writer:
-                for request in self.traffic(parent, phase):
+                # Training reads the requests' tokens only, the target's own greedy output whichever drafter
+                # served them: the shipped drafter's decode of the lineage's part stands for the parent's.
+                for request in self.traffic(self.shipped, phase, len(parent.history) % self.args.slices):
                     for record in request:
                         writer.write({**record, "drafter_version": 1} if record["kind"] == "step" else record)
             config = BanditConfig(shadow_acceptance="greedy")
@@ -280,9 +294,12 @@ class SimulatedDaemon(BanditDaemon):
         self.trained: dict[int, Version] = {}
 
     def train(self, arm: Arm) -> torch.nn.Module:
+        started = time.perf_counter()
         child = self.versions.child(self.serving, self.phase, arm)
-        self.charged.charged += child.train_seconds * self.costs.update_scale
         model = self.versions.model(child)
+        # The clock advances by what the training measured (scaled), not by this call's time: a shared candidate
+        # returns at once, a new one also decodes its traffic here.
+        self.charged.charged += child.train_seconds * self.costs.update_scale - (time.perf_counter() - started)
         self.trained[id(model)] = child
         return model
 
@@ -378,7 +395,8 @@ class Bandit(Policy):
     def __init__(self, root: Path, versions: Versions, costs: Costs, config: BanditConfig, log_every: int,
                  seed: int) -> None:  # fmt: skip
         self.logs, self.publish = root / "logs", root / "drafters"
-        self.logs.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(root, ignore_errors=True)  # a fresh daemon: a rerun's policy starts from the shipped drafter
+        self.logs.mkdir(parents=True)
         self.clock = ChargedClock()
         self.daemon = SimulatedDaemon(self.logs, versions.shipped.path, self.publish, root / "state", TARGET, config,
                                       seed=seed, console=_quiet(), versions=versions, costs=costs,
@@ -513,17 +531,22 @@ def main() -> None:
     p.add_argument("--exchange-rate", type=float, default=0.25, help="serving seconds per trainer device-second")
     p.add_argument("--costs", default="measured", help="'measured' here, or a profile of bandit_costs.json")
     p.add_argument("--heldout", type=int, default=12, help="held-out prompts per (version, phase): its τ")
-    p.add_argument("--traffic", type=int, default=24, help="logged requests per (version, phase): its traffic")
-    p.add_argument("--slices", type=int, default=4, help="traffic slices per phase (successive updates' data)")
+    p.add_argument("--traffic", type=int, default=64, help="logged requests per (version, phase): a daemon's buffer")
+    p.add_argument("--slices", type=int, default=3, help="traffic parts per phase (successive updates' data)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=40)
     p.add_argument("--budget", type=int, default=8)
     p.add_argument("--log-every", type=int, default=4, help="one in this many served requests reaches the daemon")
     p.add_argument("--horizon-minutes", type=float, default=15.0, help="the bandit's horizon, in minutes of traffic")
     p.add_argument("--every", default="1000,3000", help="the two fixed schedules shown, in requests")
-    p.add_argument("--oracle-every", default="500,1000,2000,3000", help="every-N schedules of the oracle family")
+    p.add_argument("--oracle-every", default="1000,2000,3000", help="every-N schedules of the oracle family")
     p.add_argument("--oracle-after", default="100,400", help="after-shift schedules of the oracle family")
-    p.add_argument("--greedy-drop", type=float, default=0.1)
+    # The daemon's --window-steps at production length: a window of ~50 logged requests. The default 64 steps (3
+    # requests of this stream) is so noisy that the realised outcome of an update is noise.
+    p.add_argument("--window", type=int, default=1024, help="the bandit's live window, in logged steps")
+    p.add_argument("--greedy-drop", type=float, default=0.1, help="greedy rule: update when τ drops this much")
+    # A window of ~50 requests: τ of one request varies so much that a shorter window's 10% drops are noise.
+    p.add_argument("--greedy-window", type=int, default=1024, help="greedy rule: its window of steps")
     p.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: checks that the script runs")
     args = p.parse_args()
     smoke_dir = None
@@ -532,7 +555,7 @@ def main() -> None:
         args.out, args.minutes, args.seeds, args.heldout, args.traffic, args.slices = smoke_dir.name, 0.5, 1, 2, 4, 1
         args.prompt_tokens, args.new_tokens, args.every, args.oracle_every = 16, 6, "150,300", "300"
         args.oracle_after = "50"
-        args.log_every, args.horizon_minutes = 1, 0.25
+        args.log_every, args.horizon_minutes, args.window = 1, 0.25, 64
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
     out = Path(args.out)
@@ -542,13 +565,13 @@ def main() -> None:
     target = load_causal_lm(str(project_path(TARGET)), "float32")
     versions = Versions(out, args, target, tokenizer)
     # The shipped drafter on every phase, and one full-arm update: this machine's step and update seconds.
-    for phase in dict.fromkeys(p for _, p in SCHEDULE):
+    for phase in PHASES:
         versions.heldout(versions.shipped, phase)
     versions.child(versions.shipped, SCHEDULE[1][1], FULL)
     here = measured_costs(versions)
     costs = choose_costs(args.costs, here)
     (out / "costs.json").write_text(json.dumps({"here": here, "charged": costs.__dict__}, indent=1))
-    tau0 = {ph: _tau(versions.heldout(versions.shipped, ph)) for ph in dict.fromkeys(p for _, p in SCHEDULE)}
+    tau0 = {ph: _tau(versions.heldout(versions.shipped, ph)) for ph in PHASES}
     print(f"costs ({costs.source}): step {costs.step_seconds * 1000:.1f} ms, update x{costs.update_scale:.3f} of "
           f"measured, swap {costs.swap_seconds * 1000:.0f} ms; full-16 update here "
           f"{here['update_seconds_full16']:.1f} s; shipped τ " + ", ".join(f"{k} {v:.3f}" for k, v in tau0.items()),
@@ -563,12 +586,12 @@ def main() -> None:
               args.oracle_after.split(","))]  # fmt: skip
     results: dict = {}
     for model in args.models.split(","):
-        config = BanditConfig(horizon_requests=horizon, window_steps=64, shadow_acceptance="greedy",
+        config = BanditConfig(horizon_requests=horizon, window_steps=args.window, shadow_acceptance="greedy",
                               swap_seconds=costs.swap_seconds,
                               update_cost_share=1.0 if model == "colocated" else args.exchange_rate)  # fmt: skip
         for seed in range(args.seeds):
             bandit = Bandit(out / "runs" / f"{model}-{seed}", versions, costs, config, args.log_every, seed)
-            greedy = Greedy(64 * args.log_every, args.greedy_drop)
+            greedy = Greedy(args.greedy_window, args.greedy_drop)
             policies = [Never(), *(Every(n) for n in shown), greedy, bandit]
             policies += [Every(q.n) if isinstance(q, Every) else AfterShift(q.d) for q in family if q.n not in shown]
             for policy in policies:
@@ -580,6 +603,7 @@ def main() -> None:
                       flush=True)  # fmt: skip
         _write(out, results, here, costs, args)
     report(results, family, shown, out, args)
+    ceiling(versions, args)
     print(f"wall {time.perf_counter() - started:.0f} s", flush=True)
 
 
@@ -622,6 +646,26 @@ def report(results: dict, family: list[Policy], shown: list[int], out: Path, arg
             print(f"bandit: {spent:.0f} device-s for τ +{100 * gain:.1f}% over never: {per_point:.1f} device-s per "
                   f"point (1%) of τ")  # fmt: skip
     plot(results, out, args)
+
+
+def ceiling(versions: Versions, args) -> None:
+    """What any policy could gain at most with the versions that exist: per phase the shipped drafter's τ and the
+    best version's on the held-out prompts, and the served-token ratio of serving, in every phase, its best version
+    from the phase's first request, for free (saturated serving: tokens at a fixed step cost are proportional
+    to τ)."""
+    shares = {phase: 0.0 for phase in PHASES}
+    for (start, phase), (end, _) in zip(SCHEDULE, [*SCHEDULE[1:], (1.0, "")], strict=True):
+        shares[phase] += end - start
+    print(f"\nversions measured: {len(versions.by_key)}; τ on each phase's {args.heldout} held-out prompts")
+    ratio = 0.0
+    for phase in PHASES:
+        measured = [(_tau(v.heldout[phase]), v) for v in versions.by_key.values() if phase in v.heldout]
+        best, v = max(measured, key=lambda m: m[0])
+        shipped = _tau(versions.shipped.heldout[phase])
+        ratio += shares[phase] * best / shipped
+        print(f"{phase:>13}: shipped {shipped:.3f}, best {best:.3f} ({v.name}: {_label(v.history)}) of "
+              f"{len(measured)} versions")  # fmt: skip
+    print(f"ceiling: the best version of each phase from its first request, for free: {ratio:.3f}x never")
 
 
 def _spread(values: list[float], fmt: str) -> str:

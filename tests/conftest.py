@@ -17,6 +17,17 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGET = ROOT / "checkpoints" / "target_tiny"
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """vLLM's tests need vLLM's environment: they run only when ``-m`` names the marker (``-m vllm``), so a plain
+    ``pytest`` and ``pytest -m "not slow"`` leave them out alike."""
+    if "vllm" in (config.getoption("markexpr") or ""):
+        return
+    vllm = [item for item in items if item.get_closest_marker("vllm")]
+    if vllm:
+        config.hook.pytest_deselected(items=vllm)
+        items[:] = [item for item in items if not item.get_closest_marker("vllm")]
+
+
 def reference_dflash_model():
     """The reference ``dflash.model`` module of the parity tests. Missing, it fails the test rather than skip it:
     the README's test command installs it (``pip install --no-deps dflash==0.1.0``)."""

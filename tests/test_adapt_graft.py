@@ -506,6 +506,7 @@ def _wait_for(path, timeout=180.0):
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_batch_persists_and_exits_0(tmp_path, target):
     logs, pub = tmp_path / "logs", tmp_path / "pub"
     make_logs(logs, segments=2)
@@ -521,6 +522,7 @@ def test_sigterm_finishes_the_batch_persists_and_exits_0(tmp_path, target):
     assert read_manifest(read_current(pub)[1])["tick"] == metrics["lines"]
 
 
+@pytest.mark.slow
 def test_sigkill_then_restart_publishes_the_uninterrupted_matrix(tmp_path, target, monkeypatch):
     """Kills at random points, each followed by a --once restart: the final published matrices, counters and
     quarantine equal an uninterrupted run's. Simulated kills (the process dies just before its n-th call of

@@ -30,6 +30,7 @@ def run_smoke(script: str, *extra: str) -> subprocess.CompletedProcess:
 SELF_TESTED = ("scale.py", "vllm_plugin.py", "closed_loop.py")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", [s for s in SCRIPTS if s not in SELF_TESTED])
 def test_benchmark_runs_in_smoke_mode(script):
     proc = run_smoke(script)
@@ -45,6 +46,7 @@ def load_scale():
     return scale
 
 
+@pytest.mark.slow
 def test_scale_runs_recipes_at_a_shrunk_shape(tmp_path):
     # A recipe that cannot run comes first: it is reported, the others still run, and the exit status says so.
     # dflash_qwen3_4b clips the gradients of sharded and replicated trainable parameters together (FSDP2).

@@ -57,6 +57,7 @@ def test_override_parsing():
         parse_overrides(["stray"])
 
 
+@pytest.mark.slow
 def test_misspelt_model_key_in_override_names_recipe_key_and_suggestion():
     # The acceptance command, as a user runs it: one screen, no traceback, exit code 2.
     proc = subprocess.run(

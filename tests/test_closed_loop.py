@@ -5,12 +5,15 @@ verifier log."""
 import json
 import sys
 
+import pytest
 from conftest import ROOT
 
 from trainer.vlog.schema import validate
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from closed_loop import bandit_decisions, run_loop, write_report
+
+pytestmark = pytest.mark.slow
 
 
 def test_closed_loop_serves_with_published_adjacency(tmp_path):

@@ -62,6 +62,7 @@ def greedy_references(shipped):
     return [out[0, p.numel() :].tolist() for out, p in zip(outputs, prompts, strict=True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "tree,budget",
     [("none", 0), ("chain", 64), ("ddtree", 16), ("treeflash", 24), ("recycling", 32), ("graft-dflash", 32)],
@@ -83,6 +84,7 @@ def test_greedy_is_lossless_for_every_builder(shipped, greedy_references, tree, 
     assert (min(taus) == 1.0) if tree == "none" else (sum(taus) / len(taus) > 1.2)
 
 
+@pytest.mark.slow
 def test_eagle_greedy_is_lossless(shipped, greedy_references):
     """A random EAGLE-3 drafter: its trees are rejected mostly, and every output must still be exact."""
     target, _, _, prompts = shipped
@@ -163,6 +165,7 @@ OLD_GROWTH = TreeOptions(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "alignment,options,prompts_used",
     [("next", TreeOptions(), 4), ("same", TreeOptions(), 2), ("next", OLD_GROWTH, 2), ("same", OLD_GROWTH, 2)],
@@ -189,6 +192,7 @@ def test_specblock_greedy_is_lossless(shipped, greedy_references, alignment, opt
                 assert any(s.tree_size > 0 for s in out.steps)
 
 
+@pytest.mark.slow
 def test_chain_matches_dflash_generate(shipped, monkeypatch):
     dflash_model = reference_dflash_model()
     # The reference times with CUDA synchronisation; the wall clock is enough on CPU.
@@ -246,6 +250,7 @@ def exact_marginals(target, prompt: torch.Tensor, sampling: Sampling) -> tuple[t
     return joint12.sum(0), p3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "tree,sampling,options",
     [

@@ -20,6 +20,8 @@ from conftest import ROOT, make_target_dirs
 from trainer.export.source import load_source
 from trainer.io import partial_path
 
+pytestmark = pytest.mark.slow
+
 STEPS = 4
 RANK_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 

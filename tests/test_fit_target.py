@@ -3,6 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from conftest import ROOT, TINY_TARGET
@@ -40,6 +41,7 @@ def slice_validation_loss(model_dir: Path, tmp_path: Path) -> float:
     return heldout_loss(model, data.tokens("validation")[:4097], seq_len=128)
 
 
+@pytest.mark.slow
 def test_twenty_step_fit_writes_checkpoint_config_and_hf_export(tmp_path):
     trainer_on_slice("fit", tmp_path, "--trainer.max_steps", "20", "--model.export_dir", str(tmp_path / "hf"))
     version = tmp_path / "run" / "lightning_logs" / "version_0"
@@ -61,6 +63,7 @@ def test_twenty_step_fit_writes_checkpoint_config_and_hf_export(tmp_path):
     assert "val/loss" in proc.stdout
 
 
+@pytest.mark.slow
 def test_continue_from_the_shipped_target(tmp_path):
     trainer_on_slice(
         "fit", tmp_path, "--model.init_from", str(TINY_TARGET), "--trainer.max_steps", "2",

@@ -5,6 +5,7 @@ with ``gradient_clip_val`` and a trainable sharded layer (``dflash_qwen3_4b``) f
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 SCRIPT = """
@@ -43,6 +44,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_clip_grad_norm_mixed_matches_torch_over_shards_and_replicated_tensors(tmp_path):
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "STORE": str(tmp_path / "store")}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)

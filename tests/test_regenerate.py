@@ -208,6 +208,7 @@ r.regenerate(sys.argv[1], [sys.argv[2]], sys.argv[3], max_new_tokens=int(sys.arg
 """
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill(model_dir: Path, chats: Path, greedy: bytes, tmp_path: Path) -> None:
     out = tmp_path / "regen.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

@@ -61,6 +61,7 @@ def losses(run_dir) -> dict[int, float]:
     return out
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_follows_the_same_curve(recipe, tmp_path):
     straight = fit(recipe, tmp_path / "straight")
     killed = fit(recipe, tmp_path / "killed")

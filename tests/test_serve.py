@@ -185,6 +185,7 @@ def copy_drafter(directory: Path) -> None:
         shutil.copy(ROOT / "checkpoints" / "dflash_tiny" / name, directory / name)
 
 
+@pytest.mark.slow
 def test_load_with_snapshots_published_mid_load_and_complete_logs(server):
     """8 concurrent clients (streaming and not, greedy and sampled) for LOAD_SECONDS; an adjacency, a drafter
     and a bad adjacency are published mid-load. Runs last here: it stops the server to finish the log."""

@@ -7,6 +7,7 @@ import ast
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 PACKAGE = ROOT / "trainer"
@@ -191,6 +192,7 @@ def test_the_daemons_reach_training_only_through_the_training_step_api():
     assert reached and all(within(name, "trainer.training.step") for name in reached), reached
 
 
+@pytest.mark.slow
 def test_lightning_stays_out_transitively():
     """What the modules import in turn (transformers, torch, ...) must not bring Lightning in either."""
     names = sorted(m for m in MODULES if any(within(m, p) for p in WITHOUT_LIGHTNING))
