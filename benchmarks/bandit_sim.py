@@ -93,7 +93,13 @@ class Server:
         )  # fmt: skip
         session = make_session(TREE, self.target, self.drafter)
         g = generate(
-            self.target, session, BUILDERS[TREE], torch.tensor(prompt), self.new_tokens, self.budget, on_step=recorder,
+            self.target,
+            session,
+            BUILDERS[TREE],
+            torch.tensor(prompt),
+            self.new_tokens,
+            self.budget,
+            on_step=recorder,
             step_topk=recorder.k,
         )
         recorder.finish(prompt, g.tokens)
@@ -125,7 +131,7 @@ def run_policy(name: str, stream, args, target, drafter_dir: Path, step_cost: fl
             offset = journal.stat().st_size if journal.exists() else 0
             daemon.decide()
             daemon.commit()
-            new = _new_entries(journal, offset)
+            new = new_entries(journal, offset)
             spent = sum(e.get("update_seconds", 0.0) for e in new)
             update_seconds += spent
             clock += spent
@@ -162,7 +168,8 @@ def run_policy(name: str, stream, args, target, drafter_dir: Path, step_cost: fl
     }
 
 
-def _new_entries(path: Path, offset: int) -> list[dict]:
+def new_entries(path: Path, offset: int) -> list[dict]:
+    """The JSON lines appended to ``path`` (a daemon's decisions journal) after byte ``offset``."""
     if not path.exists():
         return []
     with open(path, "rb") as f:

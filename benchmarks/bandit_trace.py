@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from bandit_sim import new_entries
 from transformers import AutoTokenizer
 
 from trainer.adapt.bandit import DEFAULT_ARMS, Arm, BanditConfig
@@ -132,6 +133,7 @@ class Versions:
         self.windows = {p: phase_windows(tokenizer, p, args.heldout, n, args.prompt_tokens) for p in PHASES}
         self.step_seconds: list[float] = []
         self.models: dict[str, torch.nn.Module] = {}
+        self.logged: dict[tuple[str, str, int], list[list[dict]]] = {}
         index = self.root / "index.json"
         settings = {k: getattr(args, k) for k in ("heldout", "traffic", "slices", "prompt_tokens", "new_tokens",
                                                    "budget")}  # fmt: skip
@@ -194,6 +196,8 @@ class Versions:
         The part of the phase's traffic prompts is the lineage's depth unless given (each update of a lineage
         trains on fresh traffic)."""
         part = len(v.history) % self.args.slices if part is None else part
+        if (v.name, phase, part) in self.logged:
+            return self.logged[v.name, phase, part]
         logs = self.root / v.name / f"traffic-{phase}-{part}"
         if not any(logs.glob("*.jsonl")):
             start = part * self.args.traffic
@@ -207,6 +211,8 @@ class Versions:
                 steps.setdefault(record["request"], []).append(record)
             else:
                 requests.append([*steps.pop(record["request"], []), record])
+        # Parsed once: the bandit draws one of them for every logged request it serves.
+        self.logged[v.name, phase, part] = requests
         return requests
 
     def child(self, parent: Version, phase: str, arm: Arm) -> Version:
@@ -405,7 +411,6 @@ class Bandit(Policy):
         self.by_number = {self.daemon.state["version"]: versions.shipped}
         self.log_every, self.rng = log_every, random.Random(seed)
         self.decisions = root / "state" / DECISIONS
-        self.publish_ms: list[float] = []
 
     def after(self, sim: Simulation, served: Served) -> tuple[Version, float] | None:
         if served.index % self.log_every:
@@ -421,7 +426,7 @@ class Bandit(Policy):
         daemon.phase, daemon.serving = served.phase, sim.version
         daemon.read()
         daemon.decide()
-        entries = _new_lines(self.decisions, offset)
+        entries = new_entries(self.decisions, offset)
         seconds = sum(e.get("update_seconds", 0.0) for e in entries)
         now = daemon.state["version"]
         if now == number and not seconds:
@@ -436,14 +441,6 @@ class Bandit(Policy):
         self.writer.close()
         self.daemon.commit()
         self.daemon.close()
-
-
-def _new_lines(path: Path, offset: int) -> list[dict]:
-    if not path.exists():
-        return []
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return [json.loads(line) for line in f.read().splitlines() if line.strip()]
 
 
 class Simulation:
