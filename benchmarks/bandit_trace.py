@@ -14,8 +14,9 @@ In production a shift lasts hours. Here the long stream is simulated and the dra
   the same one share it. The n-th update of a lineage trains on part n (mod ``--slices``) of the phase's traffic
   prompts: fresh traffic, as a server's replay buffer would hold.
 - **Measurements.** Each version that serves a phase decodes ``--heldout`` held-out prompts of that phase (its τ:
-  tokens and steps per request); a version whose logs a daemon reads also decodes ``--traffic`` traffic prompts
-  with the verifier log on. Decoding work grows with versions x sample sizes, not with the stream. (Training
+  tokens and steps per request); a version whose logs a daemon reads also decodes ``--live`` traffic prompts
+  with the verifier log on (the sample its logged requests are drawn from; the shipped drafter decodes all
+  ``--traffic`` of a part, the training buffer). Decoding work grows with versions x sample sizes, not with the stream. (Training
   reads the logged requests' tokens only, the target's own greedy output whoever drafted, so a candidate trains
   on the shipped drafter's log of the same prompts.)
 - **The clock.** Requests arrive at ``--rate`` per second (Poisson) or, by default, faster than any version serves
@@ -133,10 +134,10 @@ class Versions:
         self.windows = {p: phase_windows(tokenizer, p, args.heldout, n, args.prompt_tokens) for p in PHASES}
         self.step_seconds: list[float] = []
         self.models: dict[str, torch.nn.Module] = {}
-        self.logged: dict[tuple[str, str, int], list[list[dict]]] = {}
+        self.logged: dict[tuple[str, str, int, int], list[list[dict]]] = {}
         index = self.root / "index.json"
-        settings = {k: getattr(args, k) for k in ("heldout", "traffic", "slices", "prompt_tokens", "new_tokens",
-                                                   "budget")}  # fmt: skip
+        settings = {k: getattr(args, k) for k in ("heldout", "traffic", "live", "slices", "prompt_tokens",
+                                                   "new_tokens", "budget")}  # fmt: skip
         saved = json.loads(index.read_text()) if index.is_file() else {}
         self.by_key: dict[tuple, Version] = {}
         if saved.get("settings") == settings:
@@ -191,17 +192,22 @@ class Versions:
             self.save()
         return v.heldout[phase]
 
-    def traffic(self, v: Version, phase: str, part: int | None = None) -> list[list[dict]]:
-        """The logged requests of ``v`` serving ``phase``: per request its step records, then its request record.
-        The part of the phase's traffic prompts is the lineage's depth unless given (each update of a lineage
-        trains on fresh traffic)."""
-        part = len(v.history) % self.args.slices if part is None else part
-        if (v.name, phase, part) in self.logged:
-            return self.logged[v.name, phase, part]
-        logs = self.root / v.name / f"traffic-{phase}-{part}"
+    def live(self, v: Version, phase: str) -> list[list[dict]]:
+        """The sample a daemon's logs draw from while ``v`` serves ``phase``: the first ``--live`` requests of the
+        lineage's traffic part, decoded by ``v`` (the shipped drafter's are a slice of its training traffic)."""
+        part = len(v.history) % self.args.slices
+        count = self.args.traffic if v is self.shipped else self.args.live
+        return self.traffic(v, phase, part, count)[: self.args.live]
+
+    def traffic(self, v: Version, phase: str, part: int, count: int) -> list[list[dict]]:
+        """The first ``count`` logged requests of traffic part ``part`` of ``phase`` decoded by ``v``: per request
+        its step records, then its request record."""
+        if (v.name, phase, part, count) in self.logged:
+            return self.logged[v.name, phase, part, count]
+        logs = self.root / v.name / f"traffic-{phase}-{part}-{count}"
         if not any(logs.glob("*.jsonl")):
             start = part * self.args.traffic
-            self._decode(v, self.windows[phase][1][start : start + self.args.traffic], logs, f"{v.name}-{phase}")
+            self._decode(v, self.windows[phase][1][start : start + count], logs, f"{v.name}-{phase}")
             self.save()
         requests, steps = [], {}
         for _, _, _, record in LogReader(logs, {}, vocab_size=self.vocab_size):
@@ -212,7 +218,7 @@ class Versions:
             else:
                 requests.append([*steps.pop(record["request"], []), record])
         # Parsed once: the bandit draws one of them for every logged request it serves.
-        self.logged[v.name, phase, part] = requests
+        self.logged[v.name, phase, part, count] = requests
         return requests
 
     def child(self, parent: Version, phase: str, arm: Arm) -> Version:
@@ -226,7 +232,8 @@ class Versions:
             with LogWriter(logs, "traffic", vocab_size=self.vocab_size) as writer:
                 # Training reads the requests' tokens only, the target's own greedy output whichever drafter
                 # served them: the shipped drafter's decode of the lineage's part stands for the parent's.
-                for request in self.traffic(self.shipped, phase, len(parent.history) % self.args.slices):
+                for request in self.traffic(self.shipped, phase, len(parent.history) % self.args.slices,
+                                            self.args.traffic):  # fmt: skip
                     for record in request:
                         writer.write({**record, "drafter_version": 1} if record["kind"] == "step" else record)
             config = BanditConfig(shadow_acceptance="greedy")
@@ -416,7 +423,7 @@ class Bandit(Policy):
         if served.index % self.log_every:
             return None
         daemon = self.daemon
-        request = self.rng.choice(sim.versions.traffic(sim.version, served.phase))
+        request = self.rng.choice(sim.versions.live(sim.version, served.phase))
         number = daemon.state["version"]
         for record in request:
             fields = {"request": f"r{served.index}", "drafter_version": number if record["kind"] == "step" else None}
@@ -529,6 +536,7 @@ def main() -> None:
     p.add_argument("--costs", default="measured", help="'measured' here, or a profile of bandit_costs.json")
     p.add_argument("--heldout", type=int, default=12, help="held-out prompts per (version, phase): its τ")
     p.add_argument("--traffic", type=int, default=64, help="logged requests per (version, phase): a daemon's buffer")
+    p.add_argument("--live", type=int, default=16, help="logged requests per (version, phase) a daemon's log samples")
     p.add_argument("--slices", type=int, default=3, help="traffic parts per phase (successive updates' data)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=40)
@@ -550,6 +558,7 @@ def main() -> None:
     if args.smoke:
         smoke_dir = tempfile.TemporaryDirectory()  # removed when main returns
         args.out, args.minutes, args.seeds, args.heldout, args.traffic, args.slices = smoke_dir.name, 0.5, 1, 2, 4, 1
+        args.live = 2
         args.prompt_tokens, args.new_tokens, args.every, args.oracle_every = 16, 6, "150,300", "300"
         args.oracle_after = "50"
         args.log_every, args.horizon_minutes, args.window = 1, 0.25, 64
