@@ -16,9 +16,9 @@ In production a shift lasts hours. Here the long stream is simulated and the dra
 - **Measurements.** Each version that serves a phase decodes ``--heldout`` held-out prompts of that phase (its τ:
   tokens and steps per request); a version whose logs a daemon reads also decodes ``--live`` traffic prompts
   with the verifier log on (the sample its logged requests are drawn from; the shipped drafter decodes all
-  ``--traffic`` of a part, the training buffer). Decoding work grows with versions x sample sizes, not with the stream. (Training
-  reads the logged requests' tokens only, the target's own greedy output whoever drafted, so a candidate trains
-  on the shipped drafter's log of the same prompts.)
+  ``--traffic`` of a part, the training buffer). Decoding work grows with versions x sample sizes, not with the
+  stream. (Training reads the logged requests' tokens only, the target's own greedy output whoever drafted, so a
+  candidate trains on the shipped drafter's log of the same prompts.)
 - **The clock.** Requests arrive at ``--rate`` per second (Poisson) or, by default, faster than any version serves
   them (a saturated server: served tokens then measure throughput). A request of the phase in effect at its
   arrival takes the (tokens, steps) of a random held-out request of that phase decoded by the version in service;
@@ -54,6 +54,8 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -552,6 +554,8 @@ def main() -> None:
     p.add_argument("--greedy-drop", type=float, default=0.1, help="greedy rule: update when τ drops this much")
     # A window of ~50 requests: τ of one request varies so much that a shorter window's 10% drops are noise.
     p.add_argument("--greedy-window", type=int, default=1024, help="greedy rule: its window of steps")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes the streams are split over")
+    p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: checks that the script runs")
     args = p.parse_args()
     smoke_dir = None
@@ -561,7 +565,7 @@ def main() -> None:
         args.live = 2
         args.prompt_tokens, args.new_tokens, args.every, args.oracle_every = 16, 6, "150,300", "300"
         args.oracle_after = "50"
-        args.log_every, args.horizon_minutes, args.window = 1, 0.25, 64
+        args.log_every, args.horizon_minutes, args.window, args.jobs = 1, 0.25, 64, 2
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
     out = Path(args.out)
@@ -569,6 +573,17 @@ def main() -> None:
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(str(project_path(TARGET)))
     target = load_causal_lm(str(project_path(TARGET)), "float32")
+    if args.worker is not None:
+        # A worker starts from the parent's versions (the shipped drafter measured, one update trained) and its
+        # measured costs, so every worker charges the same figures.
+        work = out / f"w{args.worker}"
+        if not (work / "versions").exists():
+            shutil.copytree(out / "versions", work / "versions")
+        here = json.loads((out / "costs.json").read_text())["here"]
+        versions = Versions(work, args, target, tokenizer)
+        results = simulate(units(args)[args.worker :: args.jobs], versions, choose_costs(args.costs, here), work, args)
+        (work / "results-full.json").write_text(json.dumps(results))
+        return
     versions = Versions(out, args, target, tokenizer)
     # The shipped drafter on every phase, and one full-arm update: this machine's step and update seconds.
     for phase in PHASES:
@@ -582,35 +597,80 @@ def main() -> None:
           f"measured, swap {costs.swap_seconds * 1000:.0f} ms; full-16 update here "
           f"{here['update_seconds_full16']:.1f} s; shipped τ " + ", ".join(f"{k} {v:.3f}" for k, v in tau0.items()),
           flush=True)  # fmt: skip
+    if args.jobs == 1:
+        results = simulate(units(args), versions, costs, out, args)
+        measured = list(versions.by_key.values())
+    else:
+        results, measured = parallel(out, args, target, tokenizer)
+    _write(out, results, here, costs, args)
+    report(results, args, out)
+    ceiling(versions.shipped, measured, args)
+    print(f"wall {time.perf_counter() - started:.0f} s", flush=True)
 
+
+def units(args) -> list[tuple[str, int]]:
+    """(cost model, seed) of each simulated stream: a seed runs every policy."""
+    return [(model, seed) for model in args.models.split(",") for seed in range(args.seeds)]
+
+
+def family_of(args) -> list[Policy]:
+    """The oracle's fixed schedules."""
+    return [*(Every(int(n)) for n in args.oracle_every.split(",")), *(AfterShift(int(d)) for d in
+            args.oracle_after.split(","))]  # fmt: skip
+
+
+def simulate(todo: list[tuple[str, int]], versions: Versions, costs: Costs, out: Path, args) -> dict:
+    """Every policy on each (cost model, seed) stream: results[model][policy] = one run per seed, seed order."""
     duration = args.minutes * 60
     # The bandit's horizon in requests: the minutes asked for at the shipped drafter's rate on the first phase.
     per_request = statistics.mean(s for _, s in versions.heldout(versions.shipped, "stdlib")) * costs.step_seconds
     horizon = args.horizon_minutes * 60 / per_request
     shown = [int(n) for n in args.every.split(",")]
-    family = [*(Every(int(n)) for n in args.oracle_every.split(",")), *(AfterShift(int(d)) for d in
-              args.oracle_after.split(","))]  # fmt: skip
     results: dict = {}
-    for model in args.models.split(","):
+    for model, seed in todo:
         config = BanditConfig(horizon_requests=horizon, window_steps=args.window, shadow_acceptance="greedy",
                               swap_seconds=costs.swap_seconds,
                               update_cost_share=1.0 if model == "colocated" else args.exchange_rate)  # fmt: skip
-        for seed in range(args.seeds):
-            bandit = Bandit(out / "runs" / f"{model}-{seed}", versions, costs, config, args.log_every, seed)
-            greedy = Greedy(args.greedy_window, args.greedy_drop)
-            policies = [Never(), *(Every(n) for n in shown), greedy, bandit]
-            policies += [Every(q.n) if isinstance(q, Every) else AfterShift(q.d) for q in family if q.n not in shown]
-            for policy in policies:
-                tick = time.perf_counter()
-                run = Simulation(versions, costs, model, duration, args.rate, seed).run(policy)
-                results.setdefault(model, {}).setdefault(policy.name, []).append(run)
-                print(f"{model:>9} seed {seed} {policy.name:>14}: {run['tokens']:10.0f} tokens, {run['updates']:3d} "
-                      f"updates ({run['update_seconds']:6.1f} s) [{time.perf_counter() - tick:.0f} s wall]",
-                      flush=True)  # fmt: skip
-        _write(out, results, here, costs, args)
-    report(results, family, shown, out, args)
-    ceiling(versions, args)
-    print(f"wall {time.perf_counter() - started:.0f} s", flush=True)
+        bandit = Bandit(out / "runs" / f"{model}-{seed}", versions, costs, config, args.log_every, seed)
+        greedy = Greedy(args.greedy_window, args.greedy_drop)
+        policies = [Never(), *(Every(n) for n in shown), greedy, bandit]
+        policies += [q for q in family_of(args) if not (isinstance(q, Every) and q.n in shown)]
+        for policy in policies:
+            tick = time.perf_counter()
+            run = Simulation(versions, costs, model, duration, args.rate, seed).run(policy)
+            results.setdefault(model, {}).setdefault(policy.name, []).append({**run, "seed": seed})
+            print(f"{model:>9} seed {seed} {policy.name:>14}: {run['tokens']:10.0f} tokens, {run['updates']:3d} "
+                  f"updates ({run['update_seconds']:6.1f} s) [{time.perf_counter() - tick:.0f} s wall]",
+                  flush=True)  # fmt: skip
+    return results
+
+
+def parallel(out: Path, args, target, tokenizer) -> tuple[dict, list[Version]]:
+    """The streams split over ``--jobs`` worker processes (this script with ``--worker i``), each with a copy of
+    the parent's versions and ``OMP_NUM_THREADS`` cores divided among them; their results merged in seed order,
+    and every version any worker measured."""
+    threads = max(1, int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)) // args.jobs)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    # Every setting explicitly (a smoke run's sizes and directory included).
+    skip = ("smoke", "worker")
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in skip and v is not None]
+    workers = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", str(i)], env=env)
+               for i in range(args.jobs)]  # fmt: skip
+    failed = [i for i, w in enumerate(workers) if w.wait()]
+    if failed:
+        raise SystemExit(f"bandit_trace: worker(s) {failed} failed (their output is above)")
+    results: dict = {}
+    measured: list[Version] = []
+    for i in range(args.jobs):
+        work = out / f"w{i}"
+        for model, by in json.loads((work / "results-full.json").read_text()).items():
+            for name, runs in by.items():
+                results.setdefault(model, {}).setdefault(name, []).extend(runs)
+        measured += Versions(work, args, target, tokenizer).by_key.values()
+    for by in results.values():
+        for runs in by.values():
+            runs.sort(key=lambda r: r["seed"])
+    return results, measured
 
 
 def _tau(rows: list[list[int]]) -> float:
@@ -624,9 +684,10 @@ def _write(out: Path, results: dict, here: dict, costs: Costs, args) -> None:
     (out / "results.json").write_text(json.dumps(body, indent=1))
 
 
-def report(results: dict, family: list[Policy], shown: list[int], out: Path, args) -> None:
+def report(results: dict, args, out: Path) -> None:
     """Per cost model: served tokens (mean ± sd over seeds) per policy, ratio to never, and the oracle."""
-    family_names = [q.name for q in family]
+    family_names = [q.name for q in family_of(args)]
+    shown = [int(n) for n in args.every.split(",")]
     for model, by in results.items():
         seeds = len(by["never"])
         never = [r["tokens"] for r in by["never"]]
@@ -654,7 +715,7 @@ def report(results: dict, family: list[Policy], shown: list[int], out: Path, arg
     plot(results, out, args)
 
 
-def ceiling(versions: Versions, args) -> None:
+def ceiling(shipped: Version, measured: list[Version], args) -> None:
     """What any policy could gain at most with the versions that exist: per phase the shipped drafter's τ and the
     best version's on the held-out prompts, and the served-token ratio of serving, in every phase, its best version
     from the phase's first request, for free (saturated serving: tokens at a fixed step cost are proportional
@@ -662,15 +723,16 @@ def ceiling(versions: Versions, args) -> None:
     shares = {phase: 0.0 for phase in PHASES}
     for (start, phase), (end, _) in zip(SCHEDULE, [*SCHEDULE[1:], (1.0, "")], strict=True):
         shares[phase] += end - start
-    print(f"\nversions measured: {len(versions.by_key)}; τ on each phase's {args.heldout} held-out prompts")
+    measured = list({str(v.path): v for v in measured}.values())  # a worker's copies of the parent's versions once
+    print(f"\nversions measured: {len(measured)}; τ on each phase's {args.heldout} held-out prompts")
     ratio = 0.0
     for phase in PHASES:
-        measured = [(_tau(v.heldout[phase]), v) for v in versions.by_key.values() if phase in v.heldout]
-        best, v = max(measured, key=lambda m: m[0])
-        shipped = _tau(versions.shipped.heldout[phase])
-        ratio += shares[phase] * best / shipped
-        print(f"{phase:>13}: shipped {shipped:.3f}, best {best:.3f} ({v.name}: {_label(v.history)}) of "
-              f"{len(measured)} versions")  # fmt: skip
+        taus = [(_tau(v.heldout[phase]), v) for v in measured if phase in v.heldout]
+        best, v = max(taus, key=lambda m: m[0])
+        first = _tau(shipped.heldout[phase])
+        ratio += shares[phase] * best / first
+        print(f"{phase:>13}: shipped {first:.3f}, best {best:.3f} ({v.name}: {_label(v.history)}) of "
+              f"{len(taus)} versions")  # fmt: skip
     print(f"ceiling: the best version of each phase from its first request, for free: {ratio:.3f}x never")
 
 
