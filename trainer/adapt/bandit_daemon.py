@@ -76,9 +76,7 @@ from trainer.adapt.journal import (
 )
 from trainer.data.features import FEATURE_KEYS, with_features
 from trainer.drafters import load_drafter
-from trainer.drafters.dflash import DFlashDraftModel
-from trainer.drafters.specblock import SpecBlockDraftModel
-from trainer.drafters.treeflash import TreeFlashDraftModel
+from trainer.drafters.families import family_of
 from trainer.errors import UserError
 from trainer.io import write_text_atomic
 from trainer.paths import project_path
@@ -87,6 +85,7 @@ from trainer.target import Target, load_causal_lm
 from trainer.training.step import (
     BlockStepOptions,
     Drafter,
+    Eagle3StepOptions,
     NonFiniteStep,
     SpecBlockOptions,
     SpecBlockStepOptions,
@@ -94,7 +93,6 @@ from trainer.training.step import (
     chain_depth,
     chain_logits,
     context_batch,
-    default_options,
     target_layer_ids,
     train_step,
 )
@@ -115,11 +113,16 @@ LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def update_options(drafter: Drafter) -> StepOptions:
     """Update steps: teacher top-32 (the KL losses are over it); the block drafters and SpecBlock launch from 8
     anchors per replayed request (SpecBlock's recipe launches from every position, too slow for an update)."""
-    if isinstance(drafter, DFlashDraftModel | TreeFlashDraftModel):
-        return BlockStepOptions(topk=32, max_anchors=8)
-    if isinstance(drafter, SpecBlockDraftModel):
-        return SpecBlockStepOptions(topk=32, loss=SpecBlockOptions(max_anchors=8))
-    return default_options(drafter)
+    return UPDATE_OPTIONS[family_of(drafter).name]
+
+
+# Per drafter family (trainer.drafters.families).
+UPDATE_OPTIONS: dict[str, StepOptions] = {
+    "dflash": BlockStepOptions(topk=32, max_anchors=8),
+    "treeflash": BlockStepOptions(topk=32, max_anchors=8),
+    "eagle3": Eagle3StepOptions(topk=32),
+    "specblock": SpecBlockStepOptions(topk=32, loss=SpecBlockOptions(max_anchors=8)),
+}
 
 
 def broken(drafter: torch.nn.Module) -> str | None:
@@ -183,7 +186,8 @@ class BanditDaemon:
         self._published: set[int] = set()
         self.drafter = self._served_drafter()
         self.options = options or update_options(self.drafter)
-        self.arms = tuple(a for a in arms if a.params != "approx" or isinstance(self.drafter, TreeFlashDraftModel))
+        has_approx = family_of(self.drafter).approximator is not None
+        self.arms = tuple(a for a in arms if a.params != "approx" or has_approx)
         for arm in self.arms:
             self.state["arms"].setdefault(arm.name, ArmStats.fresh(config).to_json())
         self.target = Target(model, target_layer_ids(self.drafter))
@@ -524,31 +528,23 @@ class BanditDaemon:
         if not replay.train:
             raise NonFiniteStep("no replayed requests to train on")
         candidate = copy.deepcopy(self.drafter)
-        tree = isinstance(candidate, TreeFlashDraftModel)
+        family = family_of(candidate)
         lora = None
-        if arm.params == "approx":
-            params = list(candidate.ar_approximation.parameters())
-        elif arm.params == "lora":
+        if arm.params == "lora":
             from peft import LoraConfig, get_peft_model
 
             # peft injects the adapters into the module in place: the candidate's own forward runs through them.
-            lora = get_peft_model(
-                candidate.model if tree else candidate, LoraConfig(r=8, lora_alpha=16, target_modules=LORA_MODULES)
-            )
+            lora = get_peft_model(family.core(candidate), LoraConfig(r=8, lora_alpha=16, target_modules=LORA_MODULES))
             params = [p for p in lora.parameters() if p.requires_grad]
         else:
-            params = list(candidate.parameters())
+            params = family.parameters(candidate, arm.params)
         optimizer = torch.optim.AdamW(params, lr=arm.lr, weight_decay=0.0)
         for i in range(arm.steps):
             step = self.state["updates"] * 1000 + i
             with self._autocast():
                 train_step(candidate, self.target, self._batch(replay), optimizer, step, self.options)
         if lora is not None:
-            merged = lora.merge_and_unload()
-            if tree:
-                candidate.model = merged
-            else:
-                candidate = merged
+            candidate = family.with_core(candidate, lora.merge_and_unload())
         candidate.eval()
         return candidate
 

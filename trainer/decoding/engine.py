@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 
 from trainer.decoding.drafting import (
     BlockDraftSession,
+    ContextSession,
     DraftSession,
     Eagle3Session,
     GraftSession,
@@ -65,9 +66,7 @@ from trainer.decoding.verify import (
     growing_cache,
     tree_attention_mask,
 )
-from trainer.drafters.eagle3 import Eagle3DraftModel
-from trainer.drafters.specblock import SpecBlockDraftModel
-from trainer.drafters.treeflash import TreeFlashDraftModel
+from trainer.drafters.families import FAMILIES, family_of
 from trainer.errors import UserError
 from trainer.sampling import top_rows
 from trainer.target import capture_layers, layer_features
@@ -415,6 +414,15 @@ BUILDERS: dict[str, TreeBuilder] = {
 }
 
 
+# Each drafter family's session (trainer.drafters.families).
+SESSIONS: dict[str, type[ContextSession]] = {
+    "dflash": BlockDraftSession,
+    "treeflash": TreeFlashSession,
+    "eagle3": Eagle3Session,
+    "specblock": SpecBlockSession,
+}
+
+
 def make_session(
     tree: str,
     target: PreTrainedModel,
@@ -444,18 +452,15 @@ def make_session(
         return DraftSession()
     if drafter is None:
         raise UserError(f"tree builder {tree!r} needs a drafter (--drafter)")
-    # Each drafter family serves its own builders; DFlash and TreeFlash also serve chain and DDTree.
-    own = {Eagle3DraftModel: Eagle3Session, SpecBlockDraftModel: SpecBlockSession}
-    family = next((session for cls, session in own.items() if isinstance(drafter, cls)), None)
-    if family is not None or need in own.values():
-        if family is not need:
-            raise UserError(f"tree builder {tree!r} cannot draft with a {type(drafter).__name__}")
-        return family(drafter, target)
-    if isinstance(drafter, TreeFlashDraftModel):
-        return TreeFlashSession(drafter, target)
-    if need is TreeFlashSession:
-        raise UserError(f"tree builder {tree!r} needs a TreeFlash drafter; got {type(drafter).__name__}")
-    return BlockDraftSession(drafter, target)
+    # A builder serves the families whose session is (a subclass of) the one it needs: TreeFlash's also serves
+    # DFlash's chain and DDTree builders.
+    session = SESSIONS[family_of(drafter).name]
+    if not issubclass(session, need):
+        wants = [
+            f.cls.__name__.removesuffix("DraftModel") for f in FAMILIES.values() if issubclass(SESSIONS[f.name], need)
+        ]
+        raise UserError(f"tree builder {tree!r} needs a {' or '.join(wants)} drafter; got a {type(drafter).__name__}")
+    return session(drafter, target)
 
 
 @dataclass

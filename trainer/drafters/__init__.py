@@ -10,20 +10,12 @@ import torch
 from transformers import PreTrainedModel
 
 from trainer.drafters.dflash import DFlashDraftModel, build_config, target_layer_ids
-from trainer.drafters.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
-from trainer.drafters.eagle3 import Eagle3DraftModel
-from trainer.drafters.specblock import SpecBlockDraftModel
-from trainer.drafters.treeflash import TreeFlashDraftModel
+from trainer.drafters.families import FAMILIES
 from trainer.errors import UserError
 from trainer.paths import project_path
 
 # The ``architectures`` name a saved config.json carries → the class that loads it.
-DRAFTER_CLASSES: dict[str, type[PreTrainedModel]] = {
-    "DFlashDraftModel": DFlashDraftModel,
-    "TreeFlashDraftModel": TreeFlashDraftModel,
-    EAGLE3_ARCHITECTURE: Eagle3DraftModel,
-    "SpecBlockDraftModel": SpecBlockDraftModel,
-}
+DRAFTER_CLASSES: dict[str, type[PreTrainedModel]] = {f.architecture: f.cls for f in FAMILIES.values()}
 
 
 def drafter_class(architectures: Sequence[str], where: object) -> type[PreTrainedModel]:

@@ -1,8 +1,8 @@
 """``trainer export``: a trained drafter in the directory layout an inference engine loads.
 
 One module per format (``dflash``, ``treeflash``, ``speculators``, ``sglang``, ``specblock``), each with ``ACCEPTS``
-(the drafter classes it takes) and ``write(drafter, out, verifier)``; which engine loads which format, with which
-flags, is the README's table "Export to inference engines".
+(the names of the drafter families it takes, ``trainer.drafters.families``) and ``write(drafter, out, verifier)``;
+which engine loads which format, with which flags, is the README's table "Export to inference engines".
 
 The directory is written beside ``DIR`` and swapped in whole (:func:`trainer.io.write_dir_atomic`), so a
 kill leaves the previous export or the new one. On CPU::
@@ -19,6 +19,7 @@ from types import ModuleType
 import torch
 from transformers import PreTrainedModel
 
+from trainer.drafters.families import FAMILIES, family_of
 from trainer.errors import UserError
 from trainer.export import dflash, sglang, specblock, speculators, treeflash
 from trainer.export.source import load_source
@@ -35,7 +36,8 @@ FORMATS: dict[str, ModuleType] = {
 
 def formats_for(drafter: PreTrainedModel) -> list[str]:
     """The formats that take ``drafter``."""
-    return [name for name, module in FORMATS.items() if isinstance(drafter, module.ACCEPTS)]
+    family = family_of(drafter).name
+    return [name for name, module in FORMATS.items() if family in module.ACCEPTS]
 
 
 def write_export(
@@ -46,9 +48,9 @@ def write_export(
     if fmt not in FORMATS:
         raise UserError(f"unknown export format '{fmt}'; formats: {', '.join(FORMATS)}")
     module = FORMATS[fmt]
-    if not isinstance(drafter, module.ACCEPTS):
+    if fmt not in formats_for(drafter):
         raise UserError(
-            f"--format {fmt} takes {' or '.join(c.__name__ for c in module.ACCEPTS)}, not "
+            f"--format {fmt} takes {' or '.join(FAMILIES[n].cls.__name__ for n in module.ACCEPTS)}, not "
             f"{type(drafter).__name__}; this drafter exports as: {', '.join(formats_for(drafter))}"
         )
     if dtype is not None:

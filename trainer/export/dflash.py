@@ -14,15 +14,16 @@ from pathlib import Path
 from transformers import PreTrainedModel, Qwen3Config
 
 from trainer.drafters.dflash import DFlashDraftModel
+from trainer.drafters.families import family_of
 from trainer.drafters.treeflash import TreeFlashDraftModel
 
-ACCEPTS = (DFlashDraftModel, TreeFlashDraftModel)
+ACCEPTS = ("dflash", "treeflash")
 
 
 def as_dflash(drafter: DFlashDraftModel | TreeFlashDraftModel) -> DFlashDraftModel:
     """The DFlash drafter itself, or a TreeFlash drafter's backbone under a config of its own (the backbone shares
     the TreeFlash config, whose architecture and ``treeflash_config`` must not reach a DFlash directory)."""
-    if isinstance(drafter, DFlashDraftModel):
+    if family_of(drafter).name == "dflash":
         return drafter
     config = drafter.config.to_dict()
     config.pop("treeflash_config", None)

@@ -16,9 +16,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from trainer.drafters.eagle3 import Eagle3DraftModel
-
-ACCEPTS = (Eagle3DraftModel,)
+ACCEPTS = ("eagle3",)
 
 
 def write(drafter: PreTrainedModel, out: Path, verifier: str | None) -> None:

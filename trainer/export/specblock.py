@@ -14,9 +14,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from trainer.drafters.specblock import SpecBlockDraftModel
-
-ACCEPTS = (SpecBlockDraftModel,)
+ACCEPTS = ("specblock",)
 
 
 def write(drafter: PreTrainedModel, out: Path, verifier: str | None) -> None:

@@ -33,10 +33,11 @@ from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel, Qwen3Co
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
 from trainer.drafters.eagle3 import Eagle3DraftModel, sglang_layer_ids
+from trainer.drafters.families import family_of
 from trainer.errors import UserError
 from trainer.paths import project_path
 
-ACCEPTS = (DFlashDraftModel, Eagle3DraftModel)
+ACCEPTS = ("dflash", "eagle3")
 # The speculators release whose config schema and weight names this writer follows (and the tests load with).
 SCHEMA_VERSION = "0.9.0"
 # Our config fields that are not the decoder layers' own transformer config (``num_target_layers`` stays: an
@@ -139,7 +140,7 @@ def eagle3_layout(drafter: Eagle3DraftModel, verifier: str | None) -> tuple[dict
 
 
 def write(drafter: PreTrainedModel, out: Path, verifier: str | None) -> None:
-    layout = dflash_layout if isinstance(drafter, DFlashDraftModel) else eagle3_layout
+    layout = {"dflash": dflash_layout, "eagle3": eagle3_layout}[family_of(drafter).name]
     fields, weights = layout(drafter, verifier)
     dtype = next(drafter.parameters()).dtype
     config = {**fields, "speculators_version": SCHEMA_VERSION, "dtype": str(dtype).removeprefix("torch.")}

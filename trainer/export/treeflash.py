@@ -16,18 +16,18 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from trainer.drafters.dflash import DFlashDraftModel
+from trainer.drafters.families import family_of
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
 from trainer.export import modeling_treeflash
 
-ACCEPTS = (TreeFlashDraftModel, DFlashDraftModel)
+ACCEPTS = ("treeflash", "dflash")
 MODEL_FILE = "modeling_treeflash.py"
 AUTO_MAP = {"AutoModel": f"{Path(MODEL_FILE).stem}.TreeFlashDraftModel"}
 
 
 def write(drafter: PreTrainedModel, out: Path, verifier: str | None) -> None:
-    if isinstance(drafter, DFlashDraftModel):
+    if family_of(drafter).name == "dflash":
         drafter = TreeFlashDraftModel.from_dflash(drafter).to(drafter.dtype)
     if "sliding_attention" in drafter.model.layer_types:
         # The shipped model file computes full-attention layers only: it would drop the window silently.

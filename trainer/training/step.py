@@ -18,7 +18,7 @@ dropped). A non-finite loss or gradient raises ``NonFiniteStep`` before the opti
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -30,6 +30,7 @@ from trainer.data.features import with_features
 from trainer.data.pack import collate_features
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.eagle3 import Eagle3DraftModel
+from trainer.drafters.families import family_of
 from trainer.drafters.specblock import SpecBlockDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.target import Target
@@ -79,16 +80,12 @@ StepOptions = BlockStepOptions | Eagle3StepOptions | SpecBlockStepOptions
 
 def default_options(drafter: Drafter) -> StepOptions:
     """The options of ``drafter``'s family with the LightningModule's defaults."""
-    if isinstance(drafter, Eagle3DraftModel):
-        return Eagle3StepOptions()
-    if isinstance(drafter, SpecBlockDraftModel):
-        return SpecBlockStepOptions()
-    return BlockStepOptions()
+    return STEPS[family_of(drafter).name].options()
 
 
 def target_layer_ids(drafter: Drafter) -> list[int]:
     """The target layers whose hidden states the drafter reads."""
-    return list(_backbone(drafter).target_layer_ids)
+    return list(family_of(drafter).core(drafter).target_layer_ids)
 
 
 def context_batch(
@@ -121,16 +118,7 @@ def step_loss(
 ) -> torch.Tensor:
     """The family's training loss of ``batch`` (online: the target computes features) at optimiser step ``step``."""
     _check(drafter, options)
-    if isinstance(drafter, Eagle3DraftModel):
-        features = with_features(batch, target, options.topk)
-        return eagle3_loss(drafter, target, features, options.ttt_steps, options.step_decay)[0]
-    if isinstance(drafter, SpecBlockDraftModel):
-        results = specblock_unroll(drafter, target, with_features(batch, target, options.topk), options.loss, step)
-        return specblock_losses(results, options.loss, drafter.block_size)["loss"]
-    batch, blocks = block_batch(
-        _backbone(drafter), target, batch, options.topk, options.max_anchors, options.seed, step
-    )
-    return _block_loss(drafter, target, batch, blocks, options)[0]
+    return STEPS[family_of(drafter).name].loss(drafter, target, batch, step, options)
 
 
 def train_step(
@@ -151,11 +139,8 @@ def train_step(
 def chain_depth(drafter: Drafter, options: StepOptions | None = None) -> int:
     """How many tokens after a root ``chain_logits`` gives distributions for: a block's drafted slots (DFlash,
     TreeFlash), the unrolled steps (EAGLE-3), the context block's slots (SpecBlock)."""
-    if isinstance(drafter, Eagle3DraftModel):
-        return (options or Eagle3StepOptions()).ttt_steps
-    if isinstance(drafter, SpecBlockDraftModel):
-        return drafter.block_size
-    return _backbone(drafter).block_size - 1
+    options = options or default_options(drafter)
+    return STEPS[family_of(drafter).name].depth(drafter, options)
 
 
 @torch.no_grad()
@@ -183,24 +168,8 @@ def chain_logits(
     batch = with_features(context_batch([sequence], [0], 0, given, device), target, options.topk)
     depth = chain_depth(drafter, options)
     at = torch.tensor(roots, device=batch["input_ids"].device)
-    if isinstance(drafter, Eagle3DraftModel):
-        # Step i at origin p - 1 (features of p - 1, token x_p) drafts x_{p+1+i}: depth i + 1 of root p.
-        outputs, _ = eagle3_unroll(drafter, target, batch, depth)
-        logits = torch.stack([drafter.logits(hidden[0, at - 1]) for hidden in outputs], dim=1)
-    elif isinstance(drafter, SpecBlockDraftModel):
-        # The context block whose token is x_p sits at row p - shift; its slot k drafts x_{p+1+k}.
-        hidden = context_blocks(drafter, target, batch, DynamicCache(config=drafter.config))
-        logits = drafter.logits(drafter.norm(hidden[0, at - drafter.token_shift]), target.lm_head)
-    else:
-        anchors = at[None]
-        blocks = blocks_at(_backbone(drafter), batch, anchors, anchors >= 0)
-        # Block slot k drafts anchor + k; slot 0 is the root itself.
-        logits = _block_loss(drafter, target, batch, blocks, options)[1][0, :, 1:]
+    logits = STEPS[family_of(drafter).name].chain(drafter, target, batch, at, depth, options)
     return _target_vocab(drafter, logits, target.lm_head.out_features)
-
-
-def _backbone(drafter: Drafter) -> torch.nn.Module:
-    return drafter.model if isinstance(drafter, TreeFlashDraftModel) else drafter
 
 
 def _check(drafter: Drafter, options: StepOptions) -> None:
@@ -220,12 +189,69 @@ def _target_vocab(drafter: Drafter, logits: torch.Tensor, vocab_size: int) -> to
 
 def _block_loss(drafter, target, batch, blocks, options: BlockStepOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, logits (B, N, K, V)) of a block drafter; TreeFlash's logits are the corrected ones."""
-    weights = slot_weights(_backbone(drafter).block_size, options.gamma, device=batch["input_ids"].device)
-    if isinstance(drafter, TreeFlashDraftModel):
+    family = family_of(drafter)
+    weights = slot_weights(family.core(drafter).block_size, options.gamma, device=batch["input_ids"].device)
+    if family.name == "treeflash":
         loss, _, logits, *_ = treeflash_loss(drafter, target, batch, blocks, weights)
     else:
         loss, logits, *_ = dflash_loss(drafter, target, batch, blocks, weights, options.loss)
     return loss, logits
+
+
+# ---- per family: the loss of a batch, the chain depth, the chain's logits -----------------------------------------
+def _eagle3_loss(drafter, target, batch, step: int, options: Eagle3StepOptions) -> torch.Tensor:
+    return eagle3_loss(drafter, target, with_features(batch, target, options.topk), options.ttt_steps,
+                       options.step_decay)[0]  # fmt: skip
+
+
+def _specblock_loss(drafter, target, batch, step: int, options: SpecBlockStepOptions) -> torch.Tensor:
+    results = specblock_unroll(drafter, target, with_features(batch, target, options.topk), options.loss, step)
+    return specblock_losses(results, options.loss, drafter.block_size)["loss"]
+
+
+def _block_step_loss(drafter, target, batch, step: int, options: BlockStepOptions) -> torch.Tensor:
+    core = family_of(drafter).core(drafter)
+    batch, blocks = block_batch(core, target, batch, options.topk, options.max_anchors, options.seed, step)
+    return _block_loss(drafter, target, batch, blocks, options)[0]
+
+
+def _eagle3_chain(drafter, target, batch, at: torch.Tensor, depth: int, options) -> torch.Tensor:
+    # Step i at origin p - 1 (features of p - 1, token x_p) drafts x_{p+1+i}: depth i + 1 of root p.
+    outputs, _ = eagle3_unroll(drafter, target, batch, depth)
+    return torch.stack([drafter.logits(hidden[0, at - 1]) for hidden in outputs], dim=1)
+
+
+def _specblock_chain(drafter, target, batch, at: torch.Tensor, depth: int, options) -> torch.Tensor:
+    # The context block whose token is x_p sits at row p - shift; its slot k drafts x_{p+1+k}.
+    hidden = context_blocks(drafter, target, batch, DynamicCache(config=drafter.config))
+    return drafter.logits(drafter.norm(hidden[0, at - drafter.token_shift]), target.lm_head)
+
+
+def _block_chain(drafter, target, batch, at: torch.Tensor, depth: int, options) -> torch.Tensor:
+    anchors = at[None]
+    blocks = blocks_at(family_of(drafter).core(drafter), batch, anchors, anchors >= 0)
+    # Block slot k drafts anchor + k; slot 0 is the root itself.
+    return _block_loss(drafter, target, batch, blocks, options)[1][0, :, 1:]
+
+
+@dataclass(frozen=True)
+class FamilySteps:
+    """A family's side of this API: its options' type, the loss of a batch, how many tokens after a root its chain
+    logits cover, and those logits (Shape: (N roots, D, Vd))."""
+
+    options: type
+    loss: Callable[..., torch.Tensor]
+    depth: Callable[[Drafter, StepOptions], int]
+    chain: Callable[..., torch.Tensor]
+
+
+_BLOCK = FamilySteps(BlockStepOptions, _block_step_loss, lambda d, o: family_of(d).core(d).block_size - 1, _block_chain)
+STEPS: dict[str, FamilySteps] = {
+    "dflash": _BLOCK,
+    "treeflash": _BLOCK,
+    "eagle3": FamilySteps(Eagle3StepOptions, _eagle3_loss, lambda d, o: o.ttt_steps, _eagle3_chain),
+    "specblock": FamilySteps(SpecBlockStepOptions, _specblock_loss, lambda d, o: d.block_size, _specblock_chain),
+}
 
 
 def _apply(loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:

@@ -26,8 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from trainer.decoding.engine import BUILDERS, generate, make_session
 from trainer.decoding.options import TreeOptions
-from trainer.drafters.eagle3 import Eagle3DraftModel
-from trainer.drafters.treeflash import TreeFlashDraftModel
+from trainer.drafters.families import family_of
 from trainer.errors import ArgumentParser, UserError
 from trainer.evaluate import read_prompts
 from trainer.export import formats_for, write_export
@@ -63,7 +62,7 @@ def ours(
     vLLM drafts the full chain at every step, the last ones included, and counts what it accepted before trimming
     the output to ``max_tokens``; our engine shortens the chain to the tokens still wanted. So ours decodes
     ``tokens`` further and counts the steps that started before ``max_tokens`` (the steps vLLM ran)."""
-    if isinstance(drafter, Eagle3DraftModel):
+    if family_of(drafter).vllm_method == "eagle3":
         tree, options = "eagle", TreeOptions(eagle_top_k=1, eagle_depth=tokens)
     else:
         tree, options = "chain", TreeOptions()
@@ -139,12 +138,16 @@ def served(
 
 
 def method_of(drafter: PreTrainedModel) -> str:
-    return "eagle3" if isinstance(drafter, Eagle3DraftModel) else "dflash"
+    """The speculative method vLLM serves ``drafter``'s export with."""
+    method = family_of(drafter).vllm_method
+    if method is None:
+        raise UserError(f"vLLM has no drafter of a {type(drafter).__name__}")
+    return method
 
 
 def chain_length(drafter: PreTrainedModel, tokens: int | None) -> int:
     """EAGLE-3: ``tokens`` (default 3); DFlash: its block less the root, which vLLM drafts whole."""
-    if isinstance(drafter, Eagle3DraftModel):
+    if method_of(drafter) == "eagle3":
         return tokens or 3
     block = as_dflash(drafter).block_size - 1
     if tokens not in (None, block):
@@ -161,7 +164,9 @@ def check(
     drafter = load_source(Path(drafter_path)).drafter
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     k = chain_length(drafter, tokens)
-    ours_drafter = as_dflash(drafter) if isinstance(drafter, TreeFlashDraftModel) else drafter
+    # A family vLLM serves through another's method (TreeFlash as DFlash) is compared as what vLLM serves.
+    served_as = family_of(drafter).name != method_of(drafter)
+    ours_drafter = as_dflash(drafter) if served_as else drafter
     reference = plain(target, prompts, max_tokens)
     our_outputs, our_counts = ours(target, ours_drafter, prompts, k, max_tokens)
     rows = []
@@ -174,7 +179,7 @@ def check(
         rows.append(
             {
                 "format": fmt,
-                "served_as": "dflash (approximator dropped)" if isinstance(drafter, TreeFlashDraftModel) else None,
+                "served_as": "dflash (approximator dropped)" if served_as else None,
                 "tokens": k,
                 "ours": asdict(our_counts),
                 "vllm": asdict(vllm_counts),

@@ -23,9 +23,7 @@ from typing import Any
 import torch
 
 from trainer.drafters import load_drafter
-from trainer.drafters.dflash import DFlashDraftModel
-from trainer.drafters.eagle3 import Eagle3DraftModel
-from trainer.drafters.treeflash import TreeFlashDraftModel
+from trainer.drafters.families import FAMILIES, family_of
 from trainer.export.dflash import as_dflash
 from trainer.export.speculators import dflash_layout, eagle3_layout
 from trainer.export.speculators import load as load_speculators
@@ -42,11 +40,13 @@ class RefusedVersion(Exception):
 
 def layout(drafter: torch.nn.Module) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The speculators layout's architecture fields and weights of one of our drafters."""
-    if isinstance(drafter, Eagle3DraftModel):
+    method = family_of(drafter).vllm_method
+    if method == "eagle3":
         return eagle3_layout(drafter, None)
-    if isinstance(drafter, DFlashDraftModel | TreeFlashDraftModel):
+    if method == "dflash":
         return dflash_layout(as_dflash(drafter), None)
-    raise RefusedVersion(f"a {type(drafter).__name__} has no vLLM drafter (EAGLE-3, DFlash or TreeFlash)")
+    served = [f.cls.__name__ for f in FAMILIES.values() if f.vllm_method]
+    raise RefusedVersion(f"a {type(drafter).__name__} has no vLLM drafter ({', '.join(served)})")
 
 
 # What must agree between the served drafter and a new version besides the weights' names and shapes.

@@ -1,0 +1,84 @@
+"""The drafter families, by name: what each drafter class is, for every package that acts on drafters.
+
+A family's behaviour elsewhere lives in the package that owns it, in one table keyed by ``Family.name``: the
+drafting session (``trainer.decoding.engine.SESSIONS``), the training step's loss, depth and chain logits
+(``trainer.training.step.STEPS``), the update options of the bandit (``trainer.adapt.bandit_daemon``), the export
+formats (each format module's ``ACCEPTS``). This registry holds only what the drafter classes define, so it
+imports nothing above ``trainer.drafters``; tests/test_families.py checks that every table names every family.
+On CPU::
+
+    python -c "from trainer.drafters import load_drafter; from trainer.drafters.families import family_of; \\
+        print(family_of(load_drafter('checkpoints/treeflash_tiny')))"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from transformers import PreTrainedModel
+
+from trainer.drafters.dflash import DFlashDraftModel
+from trainer.drafters.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
+from trainer.drafters.eagle3 import Eagle3DraftModel
+from trainer.drafters.specblock import SpecBlockDraftModel
+from trainer.drafters.treeflash import TreeFlashDraftModel
+
+
+@dataclass(frozen=True)
+class Family:
+    """One drafter family.
+
+    ``architecture``: the name a saved ``config.json`` carries (EAGLE-3's is SGLang's). ``backbone``: the attribute
+    holding the module that reads the target (``block_size``, ``target_layer_ids``, the LoRA targets), or None when
+    that is the drafter itself. ``approximator``: the attribute of an extra trainable part (TreeFlash's
+    AR-approximator). ``block``: drafts a block of slots in one forward (DFlash's builders serve it).
+    ``vllm_method``: the speculative method vLLM serves its export with (None: vLLM has no such drafter)."""
+
+    name: str
+    cls: type[PreTrainedModel]
+    architecture: str
+    backbone: str | None = None
+    approximator: str | None = None
+    block: bool = False
+    vllm_method: str | None = None
+
+    def core(self, drafter: nn.Module) -> nn.Module:
+        """The module that reads the target: the backbone, or the drafter itself."""
+        return getattr(drafter, self.backbone) if self.backbone else drafter
+
+    def with_core(self, drafter: nn.Module, core: nn.Module) -> nn.Module:
+        """``drafter`` with its core replaced by ``core`` (e.g. a LoRA-merged copy); returns the drafter."""
+        if self.backbone is None:
+            return core
+        setattr(drafter, self.backbone, core)
+        return drafter
+
+    def parameters(self, drafter: nn.Module, part: str) -> list[nn.Parameter]:
+        """A trainable part's parameters: ``full`` (everything) or ``approx`` (the approximator)."""
+        if part == "full":
+            return list(drafter.parameters())
+        if part == "approx" and self.approximator is not None:
+            return list(getattr(drafter, self.approximator).parameters())
+        raise ValueError(f"a {self.name} drafter has no trainable part {part!r}")
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("dflash", DFlashDraftModel, "DFlashDraftModel", block=True, vllm_method="dflash"),
+        Family("treeflash", TreeFlashDraftModel, "TreeFlashDraftModel", "model", "ar_approximation", True, "dflash"),
+        Family("eagle3", Eagle3DraftModel, EAGLE3_ARCHITECTURE, vllm_method="eagle3"),
+        Family("specblock", SpecBlockDraftModel, "SpecBlockDraftModel"),
+    )
+}
+_BY_CLASS = {f.cls: f for f in FAMILIES.values()}
+
+
+def family_of(drafter: nn.Module | type) -> Family:
+    """The family of a drafter (or of a drafter class); ``TypeError`` for anything else."""
+    cls = drafter if isinstance(drafter, type) else type(drafter)
+    for klass in cls.__mro__:
+        if klass in _BY_CLASS:
+            return _BY_CLASS[klass]
+    raise TypeError(f"a {cls.__name__} is no drafter of a known family ({', '.join(FAMILIES)})")
