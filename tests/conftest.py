@@ -38,7 +38,7 @@ def reference_dflash_model():
     except ModuleNotFoundError as e:
         if (e.name or "").partition(".")[0] != "dflash":
             raise  # dflash is there but something it imports is not
-        pytest.fail("the reference package is missing: pip install --no-deps dflash==0.1.0 (README, Run the tests)")
+        pytest.fail("the reference package is missing: pip install --no-deps dflash==0.1.0 (README, Quick start)")
 
 
 def randomised(model: torch.nn.Module) -> torch.nn.Module:

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from torch import nn
 from transformers import PreTrainedModel
 
+from trainer.drafters.common import DrafterDecoderLayer
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
-from trainer.drafters.eagle3 import Eagle3DraftModel
+from trainer.drafters.eagle3 import Eagle3DecoderLayer, Eagle3DraftModel
 from trainer.drafters.specblock import SpecBlockDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 
@@ -32,15 +33,15 @@ class Family:
     ``architecture``: the name a saved ``config.json`` carries (EAGLE-3's is SGLang's). ``backbone``: the attribute
     holding the module that reads the target (``block_size``, ``target_layer_ids``, the LoRA targets), or None when
     that is the drafter itself. ``approximator``: the attribute of an extra trainable part (TreeFlash's
-    AR-approximator). ``block``: drafts a block of slots in one forward (DFlash's builders serve it).
-    ``vllm_method``: the speculative method vLLM serves its export with (None: vLLM has no such drafter)."""
+    AR-approximator). ``vllm_method``: the speculative method vLLM serves its export with (None: vLLM has no
+    such drafter). ``layer``: its decoder layer class (the unit FSDP2 shards)."""
 
     name: str
     cls: type[PreTrainedModel]
     architecture: str
+    layer: type[nn.Module]
     backbone: str | None = None
     approximator: str | None = None
-    block: bool = False
     vllm_method: str | None = None
 
     def core(self, drafter: nn.Module) -> nn.Module:
@@ -66,10 +67,11 @@ class Family:
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        Family("dflash", DFlashDraftModel, "DFlashDraftModel", block=True, vllm_method="dflash"),
-        Family("treeflash", TreeFlashDraftModel, "TreeFlashDraftModel", "model", "ar_approximation", True, "dflash"),
-        Family("eagle3", Eagle3DraftModel, EAGLE3_ARCHITECTURE, vllm_method="eagle3"),
-        Family("specblock", SpecBlockDraftModel, "SpecBlockDraftModel"),
+        Family("dflash", DFlashDraftModel, "DFlashDraftModel", DrafterDecoderLayer, vllm_method="dflash"),
+        Family("treeflash", TreeFlashDraftModel, "TreeFlashDraftModel", DrafterDecoderLayer, "model",
+               "ar_approximation", "dflash"),
+        Family("eagle3", Eagle3DraftModel, EAGLE3_ARCHITECTURE, Eagle3DecoderLayer, vllm_method="eagle3"),
+        Family("specblock", SpecBlockDraftModel, "SpecBlockDraftModel", DrafterDecoderLayer),
     )
 }
 _BY_CLASS = {f.cls: f for f in FAMILIES.values()}

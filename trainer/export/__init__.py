@@ -2,7 +2,7 @@
 
 One module per format (``dflash``, ``treeflash``, ``speculators``, ``sglang``, ``specblock``), each with ``ACCEPTS``
 (the names of the drafter families it takes, ``trainer.drafters.families``) and ``write(drafter, out, verifier)``;
-which engine loads which format, with which flags, is the README's table "Export to inference engines".
+which engine loads which format, with which flags, is the table of docs/export.md.
 
 The directory is written beside ``DIR`` and swapped in whole (:func:`trainer.io.write_dir_atomic`), so a
 kill leaves the previous export or the new one. On CPU::

