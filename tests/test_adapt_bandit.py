@@ -153,9 +153,9 @@ def test_chain_logits_are_the_losses_distributions_at_the_root(family):
             )
             weights = torch.ones(depth + 1)
             if family == "treeflash":
-                expected = treeflash_loss(drafter, target, batch, blocks, weights)[2]
+                expected = treeflash_loss(drafter, target, batch, blocks, weights).logits
             else:
-                expected = dflash_loss(drafter, target, batch, blocks, weights, "kl")[1]
+                expected = dflash_loss(drafter, target, batch, blocks, weights, "kl").logits
             torch.testing.assert_close(logits, expected[0, :, 1:])
     with pytest.raises(ValueError, match="root at position 0"):
         chain_logits(drafter, target, seq, [0], options)

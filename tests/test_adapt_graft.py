@@ -35,7 +35,7 @@ from trainer.snapshots import (
 )
 from trainer.vlog.schema import request_record, step_record
 from trainer.vlog.segments import stem
-from trainer.vlog.workers import Decoding
+from trainer.vlog.workers import DecodePool
 
 
 def _adjacency_payload(adjacency: torch.Tensor, deltas: dict[str, torch.Tensor] | None = None):
@@ -606,7 +606,7 @@ def test_decode_workers_publish_what_in_process_decoding_publishes(tmp_path, tar
     # Batches decoded in the daemon's own process (at most one short batch, unless it takes full ones over).
     here: list[int] = []
 
-    class Counting(Decoding):
+    class Counting(DecodePool):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             # Ready before the first batch: the daemon decodes batches itself while its workers start.
@@ -614,8 +614,8 @@ def test_decode_workers_publish_what_in_process_decoding_publishes(tmp_path, tar
             decode = self.decode
             self.decode = lambda lines: here.append(len(lines)) or decode(lines)
 
-    monkeypatch.setattr(graft_module, "Decoding", Counting)
-    monkeypatch.setattr(Decoding, "arrived", lambda self, pending: not steal)
+    monkeypatch.setattr(graft_module, "DecodePool", Counting)
+    monkeypatch.setattr(DecodePool, "arrived", lambda self, pending: not steal)
     logs = tmp_path / "logs"
     make_logs(logs, segments=2)
     config = GraftConfig(batch_records=16, rows=400, tenant_rows=40)
@@ -638,8 +638,8 @@ def test_a_dead_decode_worker_costs_only_time():
     """Batches held by a worker that dies are decoded in the daemon's process; the workers start again, and
     batches are decoded there while they start; closing with results never read (a daemon stopped mid-stream)
     returns at once."""
-    assert Decoding(V, workers=0).submit([b"{}"]) is None
-    decoding = Decoding(V, workers=1)
+    assert DecodePool(V, workers=0).submit([b"{}"]) is None
+    decoding = DecodePool(V, workers=1)
     rng = random.Random(1)
     lines = [json.dumps(step(rng)).encode() for _ in range(5)] + [b"{"]
     big = [json.dumps(step(rng, n=60)).encode() for _ in range(400)]
@@ -675,7 +675,7 @@ def test_a_dead_decode_worker_costs_only_time():
         decoding.close()
     assert time.monotonic() - start < 5 and not decoding._pool
     with pytest.raises(UserError, match="--decode-workers must be >= 0"):
-        Decoding(V, workers=-1)
+        DecodePool(V, workers=-1)
 
 
 def test_a_worker_outlives_no_killed_parent(tmp_path):
@@ -687,9 +687,9 @@ def test_a_worker_outlives_no_killed_parent(tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(
         "import sys, time\n"
-        "from trainer.vlog.workers import Decoding\n"
+        "from trainer.vlog.workers import DecodePool\n"
         "lines = open(sys.argv[1], 'rb').read().splitlines()\n"
-        f"d = Decoding({V}, 1)\n"
+        f"d = DecodePool({V}, 1)\n"
         "d.start(wait=True)\n"
         "for _ in range(4):\n"
         "    d.submit(lines)\n"

@@ -77,7 +77,7 @@ from trainer.snapshots import (
 from trainer.vlog.columns import Decoded, StepColumns
 from trainer.vlog.reader import LogReader
 from trainer.vlog.schema import RecordError
-from trainer.vlog.workers import Decoding, Pending
+from trainer.vlog.workers import DecodePool, Pending
 
 STATE_FILE = "state.safetensors"
 QUARANTINE = "quarantine.jsonl"
@@ -429,7 +429,7 @@ class GraftDaemon:
         )
         self._truncate_quarantine()
         self.reader = LogReader(self.logs, self.state.offsets, vocab_size=vocab_size, raw=True)
-        self.decoder = Decoding(vocab_size, decode_workers)
+        self.decoder = DecodePool(vocab_size, decode_workers)
         # The workers start while this process sets up and reads; it decodes itself until they are ready.
         self.decoder.start()
         self.stop = threading.Event()
@@ -564,11 +564,11 @@ class GraftDaemon:
     def _decoded_batches(self) -> Iterator[tuple[list, Decoded | None, dict[str, int]]]:
         """``_batches`` with each batch's decoding (None: decode it in this process) and the reader's offsets
         after it, in log order. While the log is busy, full batches go to the decode workers, up to
-        ``Decoding.ahead`` in flight, so the workers decode the next batches while this process aggregates; each
+        ``DecodePool.ahead`` in flight, so the workers decode the next batches while this process aggregates; each
         batch read hands one out, so a worker is topped up between any two batches applied here. When the workers
         hold all they may and the oldest result has not arrived, this process decodes the batch it has just read
         rather than wait (with one worker, decoding costs about twice what aggregating does: 30-38 against 16 us a
-        line), at most ``Decoding.ahead`` batches beyond the workers'. A short or empty batch is decoded here once
+        line), at most ``DecodePool.ahead`` batches beyond the workers'. A short or empty batch is decoded here once
         all before it are out."""
         ahead: deque = deque()
         size = self.state.config.batch_records

@@ -17,17 +17,36 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from trainer.decoding.batch import Fixed, Policy, RowStep
 from trainer.decoding.tree import NestedTree, Tree
 
-PLAIN = ("none", 0)
+
+class TreeArm(NamedTuple):
+    """An option of the controller: a tree builder at a budget (``("none", 0)``: plain decoding)."""
+
+    tree: str
+    budget: int
+
+
+class Plan(NamedTuple):
+    """A choice held for the next steps: made at ``batch_size`` with ``available`` builders, good until step
+    ``until``."""
+
+    batch_size: int
+    available: frozenset[str] | None
+    until: int
+    arm: TreeArm
+
+
+PLAIN = TreeArm("none", 0)
 RECYCLING_BUDGETS = (8, 16, 32)
 NEURAL_BUDGETS = (4, 8, 16)
 
 
 @dataclass
-class Acceptance:
+class ReachEstimate:
     # reach[d - 1]: EMA of P(accepted path reaches depth d), over `rows` row-steps.
     reach: list[float] = field(default_factory=list)
     rows: int = 0
@@ -47,12 +66,24 @@ class Acceptance:
 
 
 @dataclass
-class ArmStats:
+class CostCell:
+    """An arm's step seconds at one batch size, at speed 1 (``Controller.cost`` multiplies by the current speed)."""
+
+    # The geometric mean of the measurements, weighted by age.
+    seconds: float = 0.0
+    # The controller's step counter when last measured (-1: never).
+    last_step: int = 0
+    measurements: int = 0
+    # Recent measurements, each weighing (1 - cost_decay) per step of age.
+    recent: float = 0.0
+
+
+@dataclass
+class TreeArmStats:
     # Batch size → acceptance of the arm's steps at that size; with ``pooled`` one entry (key 0) for every size.
-    accept: dict[int, Acceptance] = field(default_factory=dict)
-    # Batch size → [step seconds (geometric mean of the measurements weighted by age), step counter when last
-    # measured, measurements, recent measurements (each weighing (1 - cost_decay) per step of age)].
-    cost: dict[int, list[float]] = field(default_factory=dict)
+    accept: dict[int, ReachEstimate] = field(default_factory=dict)
+    # Batch size → the arm's step seconds there.
+    cost: dict[int, CostCell] = field(default_factory=dict)
     # One acceptance for every batch size: a neural drafter's rows draft each from their own context, so what a
     # row accepts does not depend on the rows beside it (retrieval's rows share the adjacency they learn).
     pooled: bool = False
@@ -61,7 +92,7 @@ class ArmStats:
         """The ``accept`` key of ``batch_size``."""
         return 0 if self.pooled else batch_size
 
-    def acceptance(self, batch_size: int) -> Acceptance | None:
+    def acceptance(self, batch_size: int) -> ReachEstimate | None:
         """The acceptance at ``batch_size``, or at the nearest size where the arm was measured (None: never)."""
         batch_size = self.key(batch_size)
         if batch_size in self.accept or not self.accept:
@@ -78,7 +109,7 @@ def _depth(tree: Tree) -> int:
     return int(tree.depths().max()) if tree.size else 0
 
 
-def _losses(rates: dict[tuple[str, int], float]) -> dict[tuple[str, int], float]:
+def _losses(rates: dict[TreeArm, float]) -> dict[TreeArm, float]:
     """Per arm, the share of its step lost against the best of ``rates`` (tokens per second)."""
     top = max(rates.values())
     return {a: 1.0 - r / top if top > 0 else 0.0 for a, r in rates.items()}
@@ -89,7 +120,7 @@ class Controller:
 
     def __init__(
         self,
-        arms: list[tuple[str, int]],
+        arms: list[TreeArm],
         probe_share: float = 0.005,
         probe_grace: float = 0.2,
         probe_half_life: float = 30.0,
@@ -105,12 +136,12 @@ class Controller:
         replan: int = 8,
         recheck: int = 25,
     ) -> None:
-        self.arms = list(arms)
+        self.arms = [TreeArm(*a) for a in arms]
         # Builders whose trees were seen nested (retrieval's): a budget's tree holds every smaller budget's.
         self.nested: set[str] = set()
         # Builders whose sessions a request gets only while ``ready`` (a drafter's; not retrieval's).
-        self.neural = {tree for tree, _ in self.arms} - {PLAIN[0], "recycling"}
-        self.stats = {arm: ArmStats(pooled=arm[0] in self.neural) for arm in self.arms}
+        self.neural = {tree for tree, _ in self.arms} - {PLAIN.tree, "recycling"}
+        self.stats = {arm: TreeArmStats(pooled=arm.tree in self.neural) for arm in self.arms}
         self.probe_share = probe_share
         self.probe_grace = probe_grace
         self.probe_half_life = probe_half_life
@@ -130,9 +161,9 @@ class Controller:
         self.recheck = recheck
         # (batch size, available builders, last step it holds for, arm): the best estimate, reused without
         # recomputing while the batch and its builders stay the same (see ``choose``).
-        self.plan: tuple[int, frozenset[str] | None, int, tuple[str, int]] | None = None
+        self.plan: Plan | None = None
         self.steps = 0
-        self.last: tuple[str, int] = self.arms[0]
+        self.last: TreeArm = self.arms[0]
         # ``speculating()``, decided with each choice; a controller that has measured nothing keeps every option ready.
         self.keep_ready = True
         # Whether the chosen arm is not the best estimate (a probe, or an arm's first try), and the best
@@ -143,9 +174,9 @@ class Controller:
         # will mostly run at, so readiness is judged there, not at the dip of a step after a request left.
         self.load: float | None = None
         # Per arm, its loss against the best estimate at the recent batch size (empty: nothing chosen yet).
-        self.losses: dict[tuple[str, int], float] = {}
+        self.losses: dict[TreeArm, float] = {}
         # Per arm, ``seconds`` when it was last measured.
-        self.measured_at: dict[tuple[str, int], float] = {}
+        self.measured_at: dict[TreeArm, float] = {}
         # Step seconds so far; and exponentially weighted (half-life ``probe_half_life``): step seconds, and
         # seconds of throughput lost to probing.
         self.seconds = 0.0
@@ -153,23 +184,23 @@ class Controller:
         self.probe_seconds = 0.0
 
     @staticmethod
-    def arms(neural_tree: str | None) -> list[tuple[str, int]]:
+    def arms(neural_tree: str | None) -> list[TreeArm]:
         """Plain decoding, recycling at a few budgets, and the neural builder at a few budgets if there is one."""
-        arms = [PLAIN] + [("recycling", b) for b in RECYCLING_BUDGETS]
+        arms = [PLAIN] + [TreeArm("recycling", b) for b in RECYCLING_BUDGETS]
         if neural_tree is not None and neural_tree not in ("none", "recycling"):
-            arms += [(neural_tree, b) for b in NEURAL_BUDGETS]
+            arms += [TreeArm(neural_tree, b) for b in NEURAL_BUDGETS]
         return arms
 
-    def cost(self, arm: tuple[str, int], batch_size: int) -> float | None:
+    def cost(self, arm: TreeArm, batch_size: int) -> float | None:
         """Estimated seconds of a step with ``arm`` at ``batch_size``; None if the arm was never measured. A builder
         whose trees are nested costs no more at a budget than at any larger one (see ``tau``)."""
-        own = self._cost(arm, batch_size)
-        if own is None or arm[0] not in self.nested:
+        own, (tree, budget) = self._cost(arm, batch_size), arm
+        if own is None or tree not in self.nested:
             return own
-        larger = (self._cost(a, batch_size) for a in self.arms if a[0] == arm[0] and a[1] > arm[1])
+        larger = (self._cost(a, batch_size) for a in self.arms if a.tree == tree and a.budget > budget)
         return min([own, *(c for c in larger if c is not None)])
 
-    def tau(self, arm: tuple[str, int], batch_size: int) -> float:
+    def tau(self, arm: TreeArm, batch_size: int) -> float:
         """The arm's τ at ``batch_size`` (1.0: never measured). A nested builder's tree at a budget contains its tree
         at every smaller one, and verification walks the same sampled tokens down both, so it accepts at least as
         much: its τ is at least theirs, and its step costs no more than a larger budget's. Each arm's own figures
@@ -178,33 +209,34 @@ class Controller:
         early rows (1.52, where it realised 1.85 later) and probed it a few times a minute for looking 15% behind;
         one that ran @16 kept @8's cost from its first 20 steps, 50% above what @8 realised, and ran @16 for 94% of
         its steps."""
-        own = self.stats[arm].tau(batch_size)
-        if arm[0] not in self.nested:
+        own, (tree, budget) = self.stats[arm].tau(batch_size), arm
+        if tree not in self.nested:
             return own
-        return max([own, *(self.stats[a].tau(batch_size) for a in self.arms if a[0] == arm[0] and a[1] < arm[1])])
+        smaller = (self.stats[a].tau(batch_size) for a in self.arms if a.tree == tree and a.budget < budget)
+        return max([own, *smaller])
 
-    def _cost(self, arm: tuple[str, int], batch_size: int) -> float | None:
+    def _cost(self, arm: TreeArm, batch_size: int) -> float | None:
         """The arm's own cost figure at ``batch_size`` (scaled from another size where not measured there)."""
         cells = self.stats[arm].cost
         if batch_size in cells:
-            return cells[batch_size][0] * self.speed
+            return cells[batch_size].seconds * self.speed
         if not cells:
             return None
         plain = self.stats[PLAIN].cost if PLAIN in self.stats else {}
         common = [b for b in cells if b in plain]
         if batch_size in plain and common:
             near = min(common, key=lambda b: abs(b - batch_size))
-            return cells[near][0] * plain[batch_size][0] / plain[near][0] * self.speed
+            return cells[near].seconds * plain[batch_size].seconds / plain[near].seconds * self.speed
         near = min(cells, key=lambda b: abs(b - batch_size))
-        return cells[near][0] * batch_size / near * self.speed
+        return cells[near].seconds * batch_size / near * self.speed
 
-    def throughput(self, arm: tuple[str, int], batch_size: int, cost: float | None = None) -> float:
+    def throughput(self, arm: TreeArm, batch_size: int, cost: float | None = None) -> float:
         """Expected tokens per second of ``arm`` at ``batch_size`` (0 if never measured); ``cost``: its
         ``cost(arm, batch_size)`` when the caller has it."""
         cost = self.cost(arm, batch_size) if cost is None else cost
         return 0.0 if cost is None else batch_size * self.tau(arm, batch_size) / cost
 
-    def choose(self, batch_size: int, available: frozenset[str] | None = None) -> tuple[str, int]:
+    def choose(self, batch_size: int, available: frozenset[str] | None = None) -> TreeArm:
         """The arm of the next step at ``batch_size``, among the builders in ``available`` (None: all)."""
         self.steps += 1
         self.load = batch_size if self.load is None else self.load + 0.05 * (batch_size - self.load)
@@ -214,10 +246,15 @@ class Controller:
         # a choice holds over a few steps. Recomputed every step in Python it cost 0.06 ms, half of the 0.12 ms by
         # which the controller's plain steps at eight requests exceeded a plain engine's 11.4 ms (measured in process).
         plan = self.plan
-        if plan is not None and plan[0] == batch_size and plan[1] == available and self.steps <= plan[2]:
-            self.last, self.probing = plan[3], False
+        if (
+            plan is not None
+            and plan.batch_size == batch_size
+            and plan.available == available
+            and self.steps <= plan.until
+        ):
+            self.last, self.probing = plan.arm, False
             return self.last
-        arms = self.arms if available is None else [a for a in self.arms if a[0] in available]
+        arms = self.arms if available is None else [a for a in self.arms if a.tree in available]
         # Each arm's estimated cost and throughput once per choice (its Python is overhead on a step).
         costs = {a: self.cost(a, batch_size) for a in arms}
         rates = {a: self.throughput(a, batch_size, c) for a, c in costs.items()}
@@ -235,7 +272,7 @@ class Controller:
             a
             for a in arms
             if not self.stats[a].cost
-            or (a == PLAIN and self.stats[a].cost.get(batch_size, [0.0, 0, 0, 0.0])[2] < self.min_samples)
+            or (a == PLAIN and self.stats[a].cost.get(batch_size, CostCell()).measurements < self.min_samples)
         ]
         if untried:
             self.last = untried[0]
@@ -249,7 +286,7 @@ class Controller:
             # A due neural builder whose sessions every row now carries is probed at once, on credit: waiting
             # for the budget would cost those sessions on every step meanwhile.
             due_trees = {tree for tree in self.neural if self.due(tree)}
-            ridden = [a for a in arms if a[0] in due_trees]
+            ridden = [a for a in arms if a.tree in due_trees]
             if ridden:
                 self.last = min(ridden, key=stalest)
             elif (recheck := self._recheck(best, loss, batch_size)) is not None:
@@ -258,22 +295,20 @@ class Controller:
                 # Builders some row lacks the sessions of, whose sessions requests admitted now get.
                 missing = {tree for tree, _ in self.arms} - {tree for tree, _ in arms}
                 ready = {tree for tree in missing if self.ready(tree)}
-                due = min((a for a in self.arms if a in costs or a[0] in ready), key=stalest)
+                due = min((a for a in self.arms if a in costs or a.tree in ready), key=stalest)
                 worth = self._worth(loss[a] for a in arms if a != best)
                 fits = due in costs and (costs[due] or 0.0) * loss[due] <= self.probe_left(worth)
                 self.last = due if fits else best
         self.probing = bool(untried) or loss[self.last] > 0.0
-        self.keep_ready = any(self._near_best(a) for a in arms if a[0] != "none")
+        self.keep_ready = any(self._near_best(a) for a in arms if a.tree != "none")
         # Only a best estimate measured at this batch size is reused: a probe or a first try runs once, and so does
         # an arm that is best only on a cost scaled from another size (optimistic for a drafting arm on a CPU: held,
         # the drafter's arms ran 8 steps each at eight requests, at 2.5-4 times a plain step, whenever it came due).
         held = not untried and self.last == best and batch_size in self.stats[best].cost
-        self.plan = (batch_size, available, self.steps + self.replan - 1, best) if held else None
+        self.plan = Plan(batch_size, available, self.steps + self.replan - 1, best) if held else None
         return self.last
 
-    def _recheck(
-        self, best: tuple[str, int], loss: dict[tuple[str, int], float], batch_size: int
-    ) -> tuple[str, int] | None:
+    def _recheck(self, best: TreeArm, loss: dict[TreeArm, float], batch_size: int) -> TreeArm | None:
         """Plain decoding, after ``recheck`` steps divided by what looking at it is worth, or a smaller budget of the
         best estimate's nested builder, after ``recheck`` steps, without a measurement at ``batch_size`` (the
         stalest such); it is then measured on credit (its realised loss charged as a probe's). None: nothing is
@@ -284,21 +319,21 @@ class Controller:
             a
             for a, share in loss.items()
             if a != best
-            and (a == PLAIN or (a[0] == best[0] in self.nested and a[1] < best[1]))
+            and (a == PLAIN or (a.tree == best.tree in self.nested and a.budget < best.budget))
             and self.steps - self._measured_step(a, batch_size)
             >= self.recheck / (self._worth([share]) if a == PLAIN else 1)
         ]
         return min(due, key=lambda a: self._measured_step(a, batch_size)) if due else None
 
-    def _measured_step(self, arm: tuple[str, int], batch_size: int) -> int:
+    def _measured_step(self, arm: TreeArm, batch_size: int) -> int:
         """The step at which ``arm`` was last measured at ``batch_size`` (-1: never)."""
-        return self.stats[arm].cost.get(batch_size, [0.0, -1, 0, 0.0])[1]
+        return self.stats[arm].cost.get(batch_size, CostCell(last_step=-1)).last_step
 
     def _typical(self) -> int:
         """The recent batch size, rounded (1 before any step)."""
         return max(1, round(self.load or 1))
 
-    def _near_best(self, arm: tuple[str, int]) -> bool:
+    def _near_best(self, arm: TreeArm) -> bool:
         """Never measured, the best estimate, or within ``ready_margin`` of it at the recent batch size with its τ
         one standard error lower."""
         loss = self.losses.get(arm, 0.0)
@@ -320,16 +355,16 @@ class Controller:
     def due(self, tree: str) -> bool:
         """``tree`` was measured before, but none of its arms for ``refresh`` seconds of step time, divided by
         what looking at them is worth at the recent batch size."""
-        times = [self.measured_at[a] for a in self.arms if a[0] == tree and a in self.measured_at]
+        times = [self.measured_at[a] for a in self.arms if a.tree == tree and a in self.measured_at]
         if not times:
             return False
-        worth = self._worth(self.losses.get(a, 0.0) for a in self.arms if a[0] == tree)
+        worth = self._worth(self.losses.get(a, 0.0) for a in self.arms if a.tree == tree)
         return self.seconds - max(times) >= self.refresh / worth
 
     def ready(self, tree: str) -> bool:
         """Whether a request admitted now gets ``tree``'s drafting session: one of its arms was never measured
         or is within ``ready_margin`` of the best estimate at the recent batch size, or the builder is ``due``."""
-        return self.due(tree) or any(self._near_best(a) for a in self.arms if a[0] == tree)
+        return self.due(tree) or any(self._near_best(a) for a in self.arms if a.tree == tree)
 
     def probe_left(self, worth: float = 1.0) -> float:
         """Seconds of throughput that probing may still lose now (negative: overspent), with the budget's share
@@ -363,16 +398,15 @@ class Controller:
         if stats is None:
             return
         self.measured_at[tree, budget] = self.seconds
-        # A cell holds the arm's step seconds at speed 1 (``cost`` multiplies by the current speed).
-        cell = stats.cost.setdefault(batch_size, [0.0, 0, 0, 0.0])
-        cell[2] += 1
-        cell[3] = cell[3] * (1 - self.cost_decay) ** (self.steps - cell[1]) + 1
+        cell = stats.cost.setdefault(batch_size, CostCell())
+        cell.measurements += 1
+        cell.recent = cell.recent * (1 - self.cost_decay) ** (self.steps - cell.last_step) + 1
         log_seconds = math.log(max(seconds, 1e-9))
-        if cell[2] == 1:
-            cell[0] = math.exp(log_seconds - self.drift)
+        if cell.measurements == 1:
+            cell.seconds = math.exp(log_seconds - self.drift)
         else:
-            log_cost = math.log(cell[0])
-            if cell[3] > self.drift_after:
+            log_cost = math.log(cell.seconds)
+            if cell.recent > self.drift_after:
                 # Only an established figure tells the machine's speed: a young one's surprise is mostly its own
                 # error (a first step's one-time costs), and moved the drift of every other arm with it. Established
                 # by recent measurements, not by all: an arm probed now and then that became the best estimate on a
@@ -389,9 +423,9 @@ class Controller:
             # Ages count in steps of the controller, not in measurements of the arm's own: an arm measured once in a
             # few hundred steps is known as it costs now, not as the mean of its first hundred measurements, taken
             # while another arm's figure was young and the machine's speed still unknown.
-            rate = 1 / cell[3]
-            cell[0] = math.exp(log_cost + rate * (log_seconds - self.drift - log_cost))
-        cell[1] = self.steps
+            rate = 1 / cell.recent
+            cell.seconds = math.exp(log_cost + rate * (log_seconds - self.drift - log_cost))
+        cell.last_step = self.steps
         if (tree, budget) == PLAIN:
             # No draft node verified: plain decoding's τ is 1, nothing to learn per row.
             return
@@ -403,11 +437,11 @@ class Controller:
         nested = [r.event.tree for r in rows if isinstance(r.event.tree, NestedTree)]
         if rows and len(nested) == len(rows):
             self.nested.add(tree)
-            for smaller in [a for a in self.arms if a[0] == tree and a[1] < budget]:
+            for smaller in [a for a in self.arms if a.tree == tree and a.budget < budget]:
                 cut = [t.within(r.event.path, smaller[1]) for t, r in zip(nested, rows, strict=True)]
                 self._learn(self.stats[smaller], batch_size, cut)
 
-    def _learn(self, stats: ArmStats, batch_size: int, rows: list[tuple[int, int]]) -> None:
+    def _learn(self, stats: TreeArmStats, batch_size: int, rows: list[tuple[int, int]]) -> None:
         """Fold rows of (accepted path length with the root, the tree's depth) into the arm's acceptance at
         ``batch_size``."""
         accept = stats.accept.get(stats.key(batch_size))
@@ -417,7 +451,7 @@ class Controller:
             # look best or worthless there for the next hundred steps.
             near = stats.acceptance(batch_size)
             prior = min(near.rows, self.tau_prior) if near is not None else 0
-            accept = Acceptance() if near is None else replace(near, reach=list(near.reach), rows=prior)
+            accept = ReachEstimate() if near is None else replace(near, reach=list(near.reach), rows=prior)
             stats.accept[stats.key(batch_size)] = accept
         for length, depth in rows:
             accept.reach += [0.0] * (depth - len(accept.reach))

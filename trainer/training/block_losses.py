@@ -7,7 +7,7 @@ cache's ``features`` and teacher top-k; ``block_batch`` computes those online wi
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -75,6 +75,26 @@ def block_hidden(
     return hidden.view(b, n, k, -1)
 
 
+class BlockLoss(NamedTuple):
+    """A block drafter's loss of a batch and what it was computed from. Shapes: loss (); logits (B, N, K, V)
+    (TreeFlash: corrected); teacher top-k ids and log-probs (B, N, K, k)."""
+
+    loss: torch.Tensor
+    logits: torch.Tensor
+    teacher_ids: torch.Tensor
+    teacher_logprobs: torch.Tensor
+
+
+class TreeFlashLoss(NamedTuple):
+    """``BlockLoss`` plus the backbone's normed hidden states (B, N, K, H), which the marginal metrics read."""
+
+    loss: torch.Tensor
+    normed: torch.Tensor
+    logits: torch.Tensor
+    teacher_ids: torch.Tensor
+    teacher_logprobs: torch.Tensor
+
+
 def dflash_loss(
     drafter: DFlashDraftModel,
     target: Target,
@@ -82,7 +102,7 @@ def dflash_loss(
     blocks: Blocks,
     weights: torch.Tensor,
     kind: Literal["ce", "kl"],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> BlockLoss:
     """The DFlash loss of a batch with features: depth-weighted mean over valid slots of the cross-entropy to
     the data token (``ce``) or the forward KL to the target's top-k (``kl``).
 
@@ -91,7 +111,7 @@ def dflash_loss(
     logits = target.lm_head(drafter.norm(block_hidden(drafter, target, batch, blocks)))
     t_ids, t_lp = teacher_at(batch, blocks.teacher_index)
     per_slot = forward_kl_topk(logits, t_ids, t_lp) if kind == "kl" else cross_entropy(logits, blocks.labels)
-    return weighted_slot_mean(per_slot, blocks.label_mask, weights), logits, t_ids, t_lp
+    return BlockLoss(weighted_slot_mean(per_slot, blocks.label_mask, weights), logits, t_ids, t_lp)
 
 
 def treeflash_loss(
@@ -100,7 +120,7 @@ def treeflash_loss(
     batch: dict[str, torch.Tensor],
     blocks: Blocks,
     weights: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> TreeFlashLoss:
     """The TreeFlash loss of a batch with features: depth-weighted forward KL of the corrected distribution
     (teacher-forced previous token) to the target's top-k, over valid slots.
 
@@ -113,4 +133,4 @@ def treeflash_loss(
     corrected = target.lm_head(drafter.correct(hidden, normed, prev))
     t_ids, t_lp = teacher_at(batch, blocks.teacher_index)
     loss = weighted_slot_mean(forward_kl_topk(corrected, t_ids, t_lp), blocks.label_mask, weights)
-    return loss, normed, corrected, t_ids, t_lp
+    return TreeFlashLoss(loss, normed, corrected, t_ids, t_lp)

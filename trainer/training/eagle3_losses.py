@@ -9,6 +9,7 @@ teacher top-k (``trainer.data.features.with_features``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -90,11 +91,28 @@ def eagle3_unroll(
     return outputs, steps
 
 
+class UnrolledStep(NamedTuple):
+    """One unrolled step's outputs: draft logits (B, T, Vd), the step, the teacher's top-k ids (B, T, k), the KL to
+    the restricted teacher (B, T) and the loss mask (B, T)."""
+
+    logits: torch.Tensor
+    step: TTTStep
+    teacher_ids: torch.Tensor
+    kl: torch.Tensor
+    mask: torch.Tensor
+
+
+class Eagle3Loss(NamedTuple):
+    """``Σ_i step_decay^i · CE_i`` and each unrolled step's outputs."""
+
+    loss: torch.Tensor
+    steps: list[UnrolledStep]
+
+
 def eagle3_loss(
     drafter: Eagle3DraftModel, target: Target, batch: dict[str, torch.Tensor], ttt_steps: int, step_decay: float
-) -> tuple[torch.Tensor, list[tuple[torch.Tensor, TTTStep, torch.Tensor, torch.Tensor, torch.Tensor]]]:
-    """``Σ_i step_decay^i · CE_i`` of a batch with features and, per unrolled step: draft logits (B, T, Vd), the
-    step, the teacher's top-k ids (B, T, k), the KL to the restricted teacher (B, T) and the loss mask (B, T)."""
+) -> Eagle3Loss:
+    """``Σ_i step_decay^i · CE_i`` of a batch with features, and per unrolled step its outputs."""
     vocab = drafter.draft_vocab
     outputs, steps = eagle3_unroll(drafter, target, batch, ttt_steps)
     loss = torch.zeros((), device=batch["input_ids"].device)
@@ -107,5 +125,5 @@ def eagle3_loss(
         ce, kl = soft_cross_entropy_and_kl(logits, d_ids, d_logp, in_vocab)
         m = mask.float()
         loss = loss + step_decay**i * (ce * m).sum() / m.sum().clamp(min=1)
-        per_step.append((logits, step, t_ids, kl, mask))
-    return loss, per_step
+        per_step.append(UnrolledStep(logits, step, t_ids, kl, mask))
+    return Eagle3Loss(loss, per_step)

@@ -192,16 +192,16 @@ def _block_loss(drafter, target, batch, blocks, options: BlockStepOptions) -> tu
     family = family_of(drafter)
     weights = slot_weights(family.core(drafter).block_size, options.gamma, device=batch["input_ids"].device)
     if family.name == "treeflash":
-        loss, _, logits, *_ = treeflash_loss(drafter, target, batch, blocks, weights)
+        result = treeflash_loss(drafter, target, batch, blocks, weights)
     else:
-        loss, logits, *_ = dflash_loss(drafter, target, batch, blocks, weights, options.loss)
-    return loss, logits
+        result = dflash_loss(drafter, target, batch, blocks, weights, options.loss)
+    return result.loss, result.logits
 
 
 # ---- per family: the loss of a batch, the chain depth, the chain's logits -----------------------------------------
 def _eagle3_loss(drafter, target, batch, step: int, options: Eagle3StepOptions) -> torch.Tensor:
     return eagle3_loss(drafter, target, with_features(batch, target, options.topk), options.ttt_steps,
-                       options.step_decay)[0]  # fmt: skip
+                       options.step_decay).loss  # fmt: skip
 
 
 def _specblock_loss(drafter, target, batch, step: int, options: SpecBlockStepOptions) -> torch.Tensor:

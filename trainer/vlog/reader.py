@@ -14,13 +14,20 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 from trainer.vlog.schema import MAX_LINE_BYTES, RecordError, decode
 from trainer.vlog.segments import FINISHED, PART, Segment, list_segments
 
-# (segment stem, offset of the line, offset after its newline, the record (raw: the line) or why it was rejected)
-Item = tuple[str, int, int, dict | bytes | RecordError]
+
+class Item(NamedTuple):
+    """One line of the log: its segment's stem, the offset of the line and the offset after its newline, and the
+    record (with ``raw``: the line's bytes) or why it was rejected."""
+
+    segment: str
+    start: int
+    end: int
+    record: dict | bytes | RecordError
 
 
 class LogReader:
@@ -96,7 +103,7 @@ class LogReader:
                     end = start + dropped + len(buf)
                     reason = self._too_long(dropped + len(buf)) if dropped else "unterminated last line (truncated)"
                     self.offsets[key] = end
-                    yield key, start, end, RecordError(reason, key, start)
+                    yield Item(key, start, end, RecordError(reason, key, start))
                     return
                 at = 0
                 while (newline := chunk.find(b"\n", at)) >= 0:
@@ -107,7 +114,7 @@ class LogReader:
                     else:
                         item = self._decode(bytes(buf) + chunk[at:newline] if buf else chunk[at:newline], key, start)
                     self.offsets[key] = end
-                    yield key, start, end, item
+                    yield Item(key, start, end, item)
                     start, at, dropped = end, newline + 1, 0
                     buf.clear()
                 rest = len(chunk) - at

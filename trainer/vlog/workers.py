@@ -1,5 +1,5 @@
-"""Decoding batches of log lines in worker processes, so that a daemon aggregates one batch while the next ones are
-decoded on other cores. ``Decoding(vocab_size, workers)`` hands each batch to a worker (round robin) and returns the
+"""DecodePool batches of log lines in worker processes, so that a daemon aggregates one batch while the next ones are
+decoded on other cores. ``DecodePool(vocab_size, workers)`` hands each batch to a worker (round robin) and returns the
 results in submission order. A worker is ``python -m trainer.vlog.workers VOCAB``: it imports numpy, simdjson and
 the decoder only (a fraction of a second to start), reads batches of lines from its stdin (count, lengths, bytes)
 and writes the decoded batches to its stdout (length-prefixed pickles). The parent writes each batch from a thread
@@ -11,7 +11,7 @@ wait out the worker's start (0.13 s) doing nothing. A worker exits when its stdi
 SIGKILL leaves none behind; a worker that dies costs nothing but time: its batches are decoded in the parent, and
 the workers are started again at the next batch. On CPU::
 
-    python -c "from trainer.vlog.workers import Decoding; d = Decoding(8192, 1); d.start(wait=True); \\
+    python -c "from trainer.vlog.workers import DecodePool; d = DecodePool(8192, 1); d.start(wait=True); \\
         print(d.result(d.submit([b'{}']))); d.close()"
 """
 
@@ -133,7 +133,7 @@ def _widen(pipe: BinaryIO) -> None:
         fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
 
 
-class Decoding:
+class DecodePool:
     """Decodes batches of log lines in ``workers`` worker processes (0: in this process); see the module
     docstring. Results must be taken in submission order."""
 
