@@ -36,7 +36,8 @@ from transformers import AutoTokenizer
 
 from trainer.adapt.bandit import DEFAULT_ARMS, Arm, BanditConfig
 from trainer.adapt.bandit_daemon import BanditDaemon
-from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.builders import BUILDERS, make_session
+from trainer.decoding.engine import generate
 from trainer.drafters import load_drafter
 from trainer.paths import project_path
 from trainer.snapshots import publish, read_current

@@ -68,7 +68,8 @@ from transformers import AutoTokenizer
 
 from trainer.adapt.bandit import DEFAULT_ARMS, Arm, BanditConfig
 from trainer.adapt.bandit_daemon import DECISIONS, BanditDaemon
-from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.builders import BUILDERS, make_session
+from trainer.decoding.engine import generate
 from trainer.drafters import load_drafter
 from trainer.paths import project_path
 from trainer.snapshots import read_manifest
@@ -136,6 +137,8 @@ class Versions:
         self.windows = {p: phase_windows(tokenizer, p, args.heldout, n, args.prompt_tokens) for p in PHASES}
         self.step_seconds: list[float] = []
         self.models: dict[str, torch.nn.Module] = {}
+        # Seconds here per second of the parent process (a worker has fewer cores): ``calibrate`` sets it.
+        self.time_scale = 1.0
         self.logged: dict[tuple[str, str, int, int], list[list[dict]]] = {}
         index = self.root / "index.json"
         settings = {k: getattr(args, k) for k in ("heldout", "traffic", "live", "slices", "prompt_tokens",
@@ -223,12 +226,9 @@ class Versions:
         self.logged[v.name, phase, part, count] = requests
         return requests
 
-    def child(self, parent: Version, phase: str, arm: Arm) -> Version:
-        """The candidate of ``arm`` trained from ``parent`` on its logged traffic of ``phase`` (trained once)."""
-        key = (*parent.history, (phase, arm.name))
-        if key in self.by_key:
-            return self.by_key[key]
-        name = f"v{len(self.by_key)}"
+    def train(self, parent: Version, phase: str, arm: Arm) -> tuple[torch.nn.Module, float]:
+        """``arm`` trained from ``parent`` on its lineage's part of ``phase``'s traffic, and its seconds in the
+        parent process's terms (``time_scale``)."""
         with tempfile.TemporaryDirectory() as tmp:
             logs = Path(tmp) / "logs"
             with LogWriter(logs, "traffic", vocab_size=self.vocab_size) as writer:
@@ -244,8 +244,27 @@ class Versions:
             daemon.read()
             started = time.perf_counter()
             candidate = daemon.train(arm)
-            seconds = time.perf_counter() - started
+            seconds = (time.perf_counter() - started) * self.time_scale
             daemon.close()
+        return candidate, seconds
+
+    def calibrate(self, parent_seconds: float) -> None:
+        """In a worker: time the parent's reference update (the full arm from the shipped drafter on the first
+        shift) again, so its training and shadow seconds are charged at the parent's rate, not at this process's
+        share of the cores."""
+        self.time_scale = 1.0
+        _, seconds = self.train(self.shipped, SCHEDULE[1][1], FULL)
+        self.time_scale = parent_seconds / seconds
+        print(f"  worker: the reference update took {seconds:.1f} s here, {parent_seconds:.1f} s in the parent: "
+              f"seconds charged x{self.time_scale:.2f}", flush=True)  # fmt: skip
+
+    def child(self, parent: Version, phase: str, arm: Arm) -> Version:
+        """The candidate of ``arm`` trained from ``parent`` on its logged traffic of ``phase`` (trained once)."""
+        key = (*parent.history, (phase, arm.name))
+        if key in self.by_key:
+            return self.by_key[key]
+        name = f"v{len(self.by_key)}"
+        candidate, seconds = self.train(parent, phase, arm)
         path = self.root / name / "drafter"
         candidate.save_pretrained(path)
         self.models[name] = candidate
@@ -321,7 +340,8 @@ class SimulatedDaemon(BanditDaemon):
     def shadow(self, drafter: torch.nn.Module) -> float:
         started = time.perf_counter()
         result = super().shadow(drafter)
-        self.charged.charged += (time.perf_counter() - started) * (self.costs.update_scale - 1.0)
+        scale = self.costs.update_scale * self.versions.time_scale
+        self.charged.charged += (time.perf_counter() - started) * (scale - 1.0)
         return result
 
 
@@ -581,6 +601,7 @@ def main() -> None:
             shutil.copytree(out / "versions", work / "versions")
         here = json.loads((out / "costs.json").read_text())["here"]
         versions = Versions(work, args, target, tokenizer)
+        versions.calibrate(here["update_seconds_full16"])
         results = simulate(units(args)[args.worker :: args.jobs], versions, choose_costs(args.costs, here), work, args)
         (work / "results-full.json").write_text(json.dumps(results))
         return

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.builders import BUILDERS, make_session
+from trainer.decoding.engine import generate
 from trainer.drafters import load_drafter
 
 

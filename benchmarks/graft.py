@@ -28,8 +28,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
+from trainer.decoding.builders import BUILDERS, make_session
 from trainer.decoding.drafting import GraftSession, RecyclingSession
-from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.engine import generate
 from trainer.decoding.options import TreeOptions
 from trainer.decoding.verify import Sampling
 from trainer.drafters import load_drafter

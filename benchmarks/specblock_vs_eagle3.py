@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.builders import BUILDERS, make_session
+from trainer.decoding.engine import generate
 from trainer.decoding.options import TreeOptions
 from trainer.decoding.verify import Sampling
 from trainer.drafters import load_drafter

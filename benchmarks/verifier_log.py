@@ -36,7 +36,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer.decoding.engine import BUILDERS, StepEvent, generate, make_session
+from trainer.decoding.builders import BUILDERS, make_session
+from trainer.decoding.engine import generate
+from trainer.decoding.events import StepEvent
 from trainer.drafters import load_drafter
 from trainer.sampling import top_rows
 from trainer.vlog.reader import LogReader

@@ -12,8 +12,9 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer.decoding.batch import BatchEngine, BatchRequest, Fixed
+from trainer.decoding.builders import BUILDERS, make_session
 from trainer.decoding.drafting import GraftSession, RecyclingSession, draft_blocks
-from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.engine import generate
 from trainer.decoding.verify import Sampling
 from trainer.drafters import load_drafter
 from trainer.errors import UserError

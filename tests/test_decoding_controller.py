@@ -10,7 +10,7 @@ import torch
 
 from trainer.decoding.batch import RowStep
 from trainer.decoding.controller import Controller
-from trainer.decoding.engine import StepEvent
+from trainer.decoding.events import StepEvent
 from trainer.decoding.tree import NestedTree, Tree, chain
 
 

@@ -9,8 +9,9 @@ import torch
 from conftest import ROOT, TINY_TARGET, chi2_pvalue, qwen3_config, reference_dflash_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
 
+from trainer.decoding.builders import BUILDERS, make_session
 from trainer.decoding.drafting import RecyclingSession
-from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.engine import generate
 from trainer.decoding.options import TreeOptions
 from trainer.decoding.tree import Tree
 from trainer.decoding.verify import Sampling

@@ -5,7 +5,8 @@ import torch
 from conftest import ROOT, TINY_TARGET
 from transformers import AutoModelForCausalLM
 
-from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.builders import BUILDERS, make_session
+from trainer.decoding.engine import generate
 from trainer.decoding.options import TreeOptions
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.eagle3 import build_config as eagle3_config

@@ -15,7 +15,8 @@ from conftest import ROOT, TINY_TARGET, make_tiny_target, randomised
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.builders import BUILDERS, make_session
+from trainer.decoding.engine import generate
 from trainer.drafters import load_drafter
 from trainer.drafters.dflash import DFlashDraftModel, build_config
 from trainer.errors import UserError

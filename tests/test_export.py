@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from trainer.cli import main as cli_main
-from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.builders import BUILDERS, make_session
+from trainer.decoding.engine import generate
 from trainer.drafters import load_drafter
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.dflash import build_config as dflash_config

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trainer.adapt.bandit_daemon import UPDATE_OPTIONS
-from trainer.decoding.engine import SESSIONS
+from trainer.decoding.builders import SESSIONS
 from trainer.drafters import DRAFTER_CLASSES, load_drafter
 from trainer.drafters.families import FAMILIES, family_of
 from trainer.export import FORMATS

@@ -22,7 +22,8 @@ from conftest import ROOT, TINY_TARGET
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.builders import BUILDERS, make_session
+from trainer.decoding.engine import generate
 from trainer.decoding.verify import GREEDY, Sampling
 from trainer.serve.process import ServerProcess
 from trainer.snapshots import publish

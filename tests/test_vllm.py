@@ -192,7 +192,8 @@ def test_published_drafter_versions_are_hot_loaded_and_bad_ones_refused(tmp_path
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.decoding.engine import BUILDERS, generate, make_session
+    from trainer.decoding.builders import BUILDERS, make_session
+    from trainer.decoding.engine import generate
     from trainer.decoding.options import TreeOptions
     from trainer.drafters import load_drafter
     from trainer.export import write_export
@@ -261,7 +262,8 @@ def test_sampled_speculation_accepts_like_our_engine_and_repeats_under_a_seed(tm
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.decoding.engine import BUILDERS, generate, make_session
+    from trainer.decoding.builders import BUILDERS, make_session
+    from trainer.decoding.engine import generate
     from trainer.decoding.options import TreeOptions
     from trainer.decoding.verify import Sampling
     from trainer.drafters import load_drafter

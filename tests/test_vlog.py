@@ -388,7 +388,7 @@ while True:
 def test_recorder_logs_the_targets_topk_whether_reduced_here_or_on_the_writer_thread(tmp_path, max_deferred):
     import torch
 
-    from trainer.decoding.engine import StepEvent
+    from trainer.decoding.events import StepEvent
     from trainer.decoding.tree import Tree
     from trainer.sampling import top_rows
     from trainer.vlog.recorder import StepRecorder

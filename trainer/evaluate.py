@@ -33,8 +33,10 @@ from rich.console import Console
 from rich.progress import Progress
 from transformers import AutoTokenizer, PreTrainedModel
 
+from trainer.decoding.builders import BUILDERS, DEFAULT_OPTIONS, make_session
 from trainer.decoding.drafting import GraftSession, RecyclingSession
-from trainer.decoding.engine import BUILDERS, DEFAULT_OPTIONS, Generation, generate, make_session
+from trainer.decoding.engine import generate
+from trainer.decoding.events import Generation
 from trainer.decoding.options import TreeOptions
 from trainer.decoding.verify import Sampling
 from trainer.devices import add_device_arguments, parse_device, parse_dtype

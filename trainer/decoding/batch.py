@@ -54,6 +54,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from trainer.decoding.builders import BUILDERS, DEFAULT_OPTIONS, make_session
 from trainer.decoding.drafting import (
     BlockDraftSession,
     DraftSession,
@@ -62,11 +63,10 @@ from trainer.decoding.drafting import (
     draft_blocks,
     uses_drafter,
 )
-from trainer.decoding.engine import BUILDERS, DEFAULT_OPTIONS, Clock, Step, StepEvent, _cache_kwarg, make_session
+from trainer.decoding.events import Clock, Step, StepEvent, event_of, step_of
 from trainer.decoding.options import TreeOptions
-from trainer.decoding.verify import GREEDY, Sampling, accept, committed
+from trainer.decoding.verify import GREEDY, Sampling, cache_kwarg, verify_tree
 from trainer.masks import additive_mask
-from trainer.sampling import top_rows
 from trainer.target import capture_layers, layer_features
 
 LOG = logging.getLogger("trainer.decoding")
@@ -302,7 +302,7 @@ class BatchEngine:
         self.step_topk = step_topk
         self.device = target.device
         self.dtype = next(target.parameters()).dtype
-        self.cache_kw = _cache_kwarg(target)
+        self.cache_kw = cache_kwarg(target)
         # One adjacency for all requests: it keeps learning across them.
         self.recycling = RecyclingSession(target.config.vocab_size, options.recycling_width, device=self.device)
         self.rows: list[BatchRequest] = []
@@ -544,23 +544,15 @@ class BatchEngine:
                     **{self.cache_kw: self.cache.cache},
                 )
             logits = out.logits.float()
-            # A row's top-k ids when its step is logged and greedy: its choice is their first column.
-            top_ids = [
-                top_rows(logits[b, : tree.tokens.numel()], self.step_topk)[0]
-                if self.on_step is not None and self.step_topk and r.sampling.greedy
-                else None
-                for b, (r, tree) in enumerate(zip(rows, trees, strict=True))
-            ]
-            results = [
-                accept(tree, logits[b, : tree.tokens.numel()], r.sampling, r.generator, top_ids[b])
+            topk = self.step_topk if self.on_step is not None else 0
+            verdicts = [
+                verify_tree(tree, logits[b, : tree.tokens.numel()], r.sampling, r.generator, r.remaining,
+                            r.stop_token_ids, topk)
                 for b, (r, tree) in enumerate(zip(rows, trees, strict=True))
             ]
         with clock("commit"):
-            news = [
-                committed(tree, result, r.remaining, r.stop_token_ids)
-                for r, tree, result in zip(rows, trees, results, strict=True)
-            ]
-            paths = [result.path[: len(new)] for result, new in zip(results, news, strict=True)]
+            news = [v.new for v in verdicts]
+            paths = [v.path for v in verdicts]
             # The committed (row, node) pairs of the whole batch, indexed once: per-row tensor indexing costs more
             # than the rows' work when a step commits one token each (plain decoding at a large batch).
             row_of = torch.tensor([b for b, path in enumerate(paths) for _ in path])
@@ -596,26 +588,14 @@ class BatchEngine:
                 if tree_name == "none":
                     readiness = time.perf_counter() - learn_start
             self.cache.commit(appended)
-        ms = {phase: 1000 * clock.seconds.get(phase, 0.0) for phase in ("draft", "tree", "verify")}
         events = []
-        for b, (request, tree, result, new) in enumerate(zip(rows, trees, results, news, strict=True)):
-            request.steps.append(
-                Step(
-                    result.accepted,
-                    len(new),
-                    tree.size,
-                    int(depths[b].max()),
-                    sum(s.forwards for s in request.sessions.values()) - forwards[b],
-                    dict(clock.seconds),
-                )
-            )
-            pos = request.past_len - len(result.path[: len(new)])
-            logits_b = logits[b, : tree.tokens.numel()]
-            root = int(tree.tokens[0])
-            step = len(request.steps) - 1
-            event = StepEvent(
-                step, pos, root, tree, result.path, result.bonus, logits_b, ms, budget, tree_name, top_ids[b]
-            )
+        for b, (request, tree, verdict) in enumerate(zip(rows, trees, verdicts, strict=True)):
+            new = verdict.new
+            used = sum(s.forwards for s in request.sessions.values()) - forwards[b]
+            request.steps.append(step_of(verdict, tree, int(depths[b].max()), used, clock.seconds))
+            pos = request.past_len - len(verdict.path)
+            event = event_of(len(request.steps) - 1, pos, tree, verdict, logits[b, : tree.tokens.numel()],
+                             clock.seconds, budget, tree_name)  # fmt: skip
             events.append(RowStep(request, event, new))
             # The step is reported before the request can finish, so a request's records precede its end.
             if self.on_step is not None:

@@ -13,10 +13,11 @@ exactly as the target's samples (sampling), whatever the tree. Pure functions; o
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from trainer.decoding.tree import Tree
@@ -114,6 +115,31 @@ def accept(
         path.append(node)
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What verifying one tree decided: the walk, the tokens the step commits (``committed``), the nodes that enter
+    the context (the walk's first ``len(new)``), and the logits' top-k ids when greedy verification found them."""
+
+    acceptance: Acceptance
+    new: list[int]
+    path: list[int]
+    top_ids: torch.Tensor | None
+
+
+def verify_tree(
+    tree: Tree, logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None, remaining: int,
+    stops: set[int] | frozenset[int], topk: int = 0,
+) -> Verdict:  # fmt: skip
+    """Verify ``tree`` against the target's ``logits`` (Shape: (N + 1, V)) and cut what it commits to ``remaining``
+    tokens and the first stop token: the step's core, the same for one request (``engine.generate``) and for each
+    row of a batch (``batch.BatchEngine``). ``topk``: the width of ``Verdict.top_ids`` under greedy verification,
+    found in the pass that finds its choices (0: none), for a log hook that records each row's top-k."""
+    top_ids = top_rows(logits, topk)[0] if topk and sampling.greedy else None
+    acceptance = accept(tree, logits, sampling, generator, top_ids)
+    new = committed(tree, acceptance, remaining, stops)
+    return Verdict(acceptance, new, acceptance.path[: len(new)], top_ids)
+
+
 def accept_greedy(tree: Tree, logits: torch.Tensor) -> Acceptance:
     return accept(tree, logits, GREEDY)
 
@@ -172,6 +198,11 @@ def _reserve(cached: torch.Tensor, new: torch.Tensor, start: int, end: int) -> t
     if start:
         buffer[..., :start, :] = cached
     return buffer
+
+
+def cache_kwarg(model: PreTrainedModel) -> str:
+    # transformers 5.24 renamed past_key_values to cache; earlier 5.x only knows the old name.
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def growing_cache(config) -> DynamicCache:

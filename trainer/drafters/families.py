@@ -1,7 +1,7 @@
 """The drafter families, by name: what each drafter class is, for every package that acts on drafters.
 
 A family's behaviour elsewhere lives in the package that owns it, in one table keyed by ``Family.name``: the
-drafting session (``trainer.decoding.engine.SESSIONS``), the training step's loss, depth and chain logits
+drafting session (``trainer.decoding.builders.SESSIONS``), the training step's loss, depth and chain logits
 (``trainer.training.step.STEPS``), the update options of the bandit (``trainer.adapt.bandit_daemon``), the export
 formats (each format module's ``ACCEPTS``). This registry holds only what the drafter classes define, so it
 imports nothing above ``trainer.drafters``; tests/test_families.py checks that every table names every family.

@@ -23,8 +23,8 @@ import uvicorn
 from transformers import AutoTokenizer, PreTrainedModel
 
 from trainer.decoding.batch import BatchEngine
+from trainer.decoding.builders import BUILDERS
 from trainer.decoding.controller import policy_for
-from trainer.decoding.engine import BUILDERS
 from trainer.decoding.options import TreeOptions
 from trainer.devices import add_device_arguments, parse_device, parse_dtype
 from trainer.drafters import load_drafter

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from trainer.decoding.batch import BatchEngine, BatchRequest, RowStep
+from trainer.decoding.builders import BUILDERS, make_session
 from trainer.decoding.controller import Controller
 from trainer.decoding.drafting import GraftSession, RecyclingSession
-from trainer.decoding.engine import BUILDERS, make_session
 from trainer.drafters import load_drafter
 from trainer.serve.metrics import Metrics
 from trainer.snapshots import ADJACENCY, load_adjacency, read_current

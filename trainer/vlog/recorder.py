@@ -22,7 +22,7 @@ import threading
 import numpy as np
 import torch
 
-from trainer.decoding.engine import StepEvent
+from trainer.decoding.events import StepEvent
 from trainer.sampling import top_rows
 from trainer.vlog.schema import MIN_TOPK, request_record, step_record
 from trainer.vlog.writer import LogWriter

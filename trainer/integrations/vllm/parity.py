@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from trainer.decoding.engine import BUILDERS, generate, make_session
+from trainer.decoding.builders import BUILDERS, make_session
+from trainer.decoding.engine import generate
 from trainer.decoding.options import TreeOptions
 from trainer.drafters.families import family_of
 from trainer.errors import ArgumentParser, UserError
