@@ -139,7 +139,7 @@ def run_policy(name: str, stream, args, target, drafter_dir: Path, step_cost: fl
             updates += sum(e.get("published") is not None for e in new if e["event"] == "decision")
             rollbacks += sum("rolled_back_to" in e for e in new)
             continue
-        live = daemon._live(daemon.state["version"])
+        live = daemon._live(daemon.state.version)
         if live.full and ref is None:
             ref = live.tau
         due = (name.startswith("every-") and since_update >= int(name.split("-")[1])) or (
@@ -150,7 +150,7 @@ def run_policy(name: str, stream, args, target, drafter_dir: Path, step_cost: fl
             candidate = daemon.train(full)
             spent = time.perf_counter() - started
             version = publish(publish_dir, candidate.save_pretrained, {"kind": "drafter", "policy": name})
-            daemon.drafter, daemon.state["version"] = candidate, version
+            daemon.drafter, daemon.state.version = candidate, version
             update_seconds += spent
             clock += spent
             updates += 1

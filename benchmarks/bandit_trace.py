@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import shutil
@@ -437,7 +436,7 @@ class Bandit(Policy):
                                       seed=seed, console=_quiet(), versions=versions, costs=costs,
                                       clock=self.clock)  # fmt: skip
         self.writer = LogWriter(self.logs, "sim", vocab_size=versions.vocab_size)
-        self.by_number = {self.daemon.state["version"]: versions.shipped}
+        self.by_number = {self.daemon.state.version: versions.shipped}
         self.log_every, self.rng = log_every, random.Random(seed)
         self.decisions = root / "state" / DECISIONS
 
@@ -446,7 +445,7 @@ class Bandit(Policy):
             return None
         daemon = self.daemon
         request = self.rng.choice(sim.versions.live(sim.version, served.phase))
-        number = daemon.state["version"]
+        number = daemon.state.version
         for record in request:
             fields = {"request": f"r{served.index}", "drafter_version": number if record["kind"] == "step" else None}
             self.writer.write({**record, **{k: v for k, v in fields.items() if k in record}})
@@ -457,7 +456,7 @@ class Bandit(Policy):
         daemon.decide()
         entries = new_entries(self.decisions, offset)
         seconds = sum(e.get("update_seconds", 0.0) for e in entries)
-        now = daemon.state["version"]
+        now = daemon.state.version
         if now == number and not seconds:
             return None
         if now not in self.by_number:
@@ -730,9 +729,11 @@ def report(results: dict, args, out: Path) -> None:
         if model == "separate":
             gain = _overall_tau(by["bandit"]) / _overall_tau(by["never"]) - 1
             spent = statistics.mean(r["device_seconds"] for r in by["bandit"])
-            per_point = spent / (100 * gain) if gain > 0 else math.inf
-            print(f"bandit: {spent:.0f} device-s for τ +{100 * gain:.1f}% over never: {per_point:.1f} device-s per "
-                  f"point (1%) of τ")  # fmt: skip
+            if gain > 0:
+                print(f"bandit: {spent:.0f} device-s for τ +{100 * gain:.1f}% over never: "
+                      f"{spent / (100 * gain):.1f} device-s per point (1%) of τ")  # fmt: skip
+            else:
+                print(f"bandit: {spent:.0f} device-s, τ {100 * gain:+.1f}% against never: no point of τ gained")
     plot(results, out, args)
 
 

@@ -38,6 +38,7 @@ from trainer.adapt.bandit import (
     step_tokens,
 )
 from trainer.adapt.bandit_daemon import ALARM_EXIT, BanditDaemon
+from trainer.adapt.journal import StateError
 from trainer.data.features import with_features
 from trainer.snapshots import publish, read_current, read_manifest
 from trainer.training.block_losses import blocks_at, dflash_loss, treeflash_loss
@@ -407,13 +408,13 @@ def _journal(tmp_path: Path) -> list[dict]:
 def test_rollback_when_the_new_version_is_worse(tmp_path):
     (tmp_path / "logs").mkdir()
     daemon = _daemon(tmp_path)
-    assert daemon.state["version"] == 1
+    assert daemon.state.version == 1
     pending = {"decision": 1, "arm": "full-1", "tau_before": 3.0, "tau_new": 3.5, "shadow_gain": 0.2, "seen": 0}
     v2 = publish(tmp_path / "pub", daemon.drafter.save_pretrained, {"kind": "drafter", "decision": pending})
     daemon.close()
     _write_log(tmp_path / "logs", "seg-000001-1000", v2, accepted=[1])  # τ 2 < 3 - margin
     restarted = _daemon(tmp_path)  # adopts v2 and its pending decision from the manifest
-    assert restarted.state["version"] == v2 and restarted.state["pending"]["tau_before"] == 3.0
+    assert restarted.state.version == v2 and restarted.state.pending["tau_before"] == 3.0
     assert restarted.run(once=True) == 0
     version, path = read_current(tmp_path / "pub")
     assert version == v2 + 1 and read_manifest(path)["rollback_of"] == 1
@@ -421,15 +422,32 @@ def test_rollback_when_the_new_version_is_worse(tmp_path):
     assert outcome["event"] == "outcome" and outcome["rolled_back_to"] == version
     assert outcome["realised_gain"] == pytest.approx(-1.0)
     # The live outcome (-1/3 relative) against the shadow's +0.2 makes the shadow→live scale negative.
-    scale = restarted.state["arms"]["full-1"]["scale"]
+    scale = restarted.state.arms["full-1"]["scale"]
     assert scale["n"] == 1 and Scale(**scale).estimate == pytest.approx((0.01 - 0.2 / 3) / (0.01 + 0.04))
+
+
+def test_a_state_file_of_another_version_is_refused_by_name(tmp_path):
+    (tmp_path / "logs").mkdir()
+    daemon = _daemon(tmp_path)
+    daemon.commit()
+    daemon.close()
+    path = tmp_path / "state" / "state.json"
+    saved = json.loads(path.read_text())
+    assert saved["version"] == 1 and saved["replay"] == daemon.state.replay
+    path.write_text(json.dumps({**saved, "arm_table": {}}))
+    with pytest.raises(StateError, match=r"unknown keys \['arm_table'\] and lacks \[\]"):
+        _daemon(tmp_path)
+    del saved["version"]
+    path.write_text(json.dumps(saved))
+    with pytest.raises(StateError, match=r"lacks \['version'\]"):
+        _daemon(tmp_path)
 
 
 def test_an_updates_version_inherits_the_reference_tau(tmp_path):
     """The headroom of a version an update published stays measured from its parent's reference τ."""
     (tmp_path / "logs").mkdir()
     daemon = _daemon(tmp_path)
-    daemon.state["ref"]["1"] = 4.5
+    daemon.state.ref["1"] = 4.5
     daemon.commit()
     pending = {"decision": 1, "arm": "full-1", "tau_before": 3.5, "tau_new": 4.2, "shadow_gain": 0.2, "seen": 0}
     v2 = publish(
@@ -440,10 +458,10 @@ def test_an_updates_version_inherits_the_reference_tau(tmp_path):
     restarted = _daemon(tmp_path)
     restarted.read()
     restarted.decide()
-    assert restarted.state["ref"][str(v2)] == pytest.approx(4.5)  # not its own 4
+    assert restarted.state.ref[str(v2)] == pytest.approx(4.5)  # not its own 4
     (outcome,) = _journal(tmp_path)
     assert outcome["event"] == "outcome" and outcome["realised_gain"] == pytest.approx(0.5)
-    assert restarted.state["arms"]["full-1"]["scale"]["sr"] == pytest.approx(0.2 * 0.5 / 3.5)
+    assert restarted.state.arms["full-1"]["scale"]["sr"] == pytest.approx(0.2 * 0.5 / 3.5)
     restarted.close()
 
 
@@ -453,7 +471,7 @@ def test_a_version_is_judged_only_on_the_steps_its_drafter_drafted(tmp_path):
     alarm follows, and the metrics say how many steps were ignored and why."""
     (tmp_path / "logs").mkdir()
     daemon = _daemon(tmp_path)
-    assert daemon.state["version"] == 1
+    assert daemon.state.version == 1
     lines = []
     for i in range(12):
         lines.append(_step(f"r{i}", 1, 0, 1, accepted=3))  # drafted by version 1: τ 4
@@ -467,7 +485,7 @@ def test_a_version_is_judged_only_on_the_steps_its_drafter_drafted(tmp_path):
     assert daemon.run(once=True) == 0 and daemon.alarm is None
     live = daemon._live(1)
     assert live.full and live.tau == pytest.approx(4.0)
-    assert set(daemon.state["live"]) == {"1"}
+    assert set(daemon.state.live) == {"1"}
     ignored = json.loads((tmp_path / "state" / "metrics.json").read_text())["ignored_steps"]
     assert ignored == {"no drafter": 24, "unversioned": 12, "unknown version": 12, "other drafter": 12}
     daemon.close()
@@ -504,12 +522,12 @@ def test_failed_update_leaves_the_served_version(tmp_path):
     _write_log(tmp_path / "logs", "seg-000001-1000", 1, accepted=[3])
     # A first update rests on the prior: exploration, given a budget here.
     daemon = _daemon(tmp_path, horizon_requests=1e6, explore_share=1e3)
-    daemon.state["ref"]["1"] = 4.5  # τ fell from 4.5 to 4: worth an update
+    daemon.state.ref["1"] = 4.5  # τ fell from 4.5 to 4: worth an update
     daemon.arms = (Arm("full-1", "full", 1, 1e39),)  # overflows the weights to inf
     assert daemon.run(once=True) == 0
     decision = _journal(tmp_path)[-1]
     assert decision["arm"] == "full-1" and decision["published"] is None and "failed" in decision
-    assert read_current(tmp_path / "pub")[0] == 1 and daemon.state["version"] == 1
+    assert read_current(tmp_path / "pub")[0] == 1 and daemon.state.version == 1
 
 
 def test_restart_after_sigkill_loses_nothing(tmp_path):
@@ -560,7 +578,7 @@ def test_daemon_updates_eagle3_and_specblock_drafters(tmp_path, name):
     assert type(lora) is type(daemon.drafter) and lora.state_dict().keys() == served.keys()
     assert any(not torch.equal(lora.state_dict()[n], v) for n, v in served.items())
     assert all(torch.equal(daemon.drafter.state_dict()[n], v) for n, v in served.items())
-    daemon.state["ref"]["1"] = 4.5  # τ fell from 4.5 to 4: worth an update
+    daemon.state.ref["1"] = 4.5  # τ fell from 4.5 to 4: worth an update
     assert daemon.run(once=True) == 0
     decision = _journal(tmp_path)[-1]
     assert decision["arm"] in ("lora-1", "full-1") and "failed" not in decision
@@ -574,12 +592,12 @@ def test_context_novelty_drift_and_cached_features(tmp_path):
     _write_log(tmp_path / "logs", "seg-000001-1000", 1, accepted=[3])  # 4 requests, τ 4
     daemon = _daemon(tmp_path)
     daemon.read()
-    daemon.state["ref"]["1"] = 5.0
+    daemon.state.ref["1"] = 5.0
     context = daemon.context(daemon._live(1))
     assert context.novelty == pytest.approx(4 / 64) and context.drift == pytest.approx((5.0 - 4.0) / 4.0)
-    daemon.state["trained_at"]["1"] = 4  # trained on everything seen so far
+    daemon.state.trained_at["1"] = 4  # trained on everything seen so far
     assert daemon.context(daemon._live(1)).novelty == 0.0
-    replay = Replay.from_json(daemon.state["replay"])
+    replay = Replay.from_json(daemon.state.replay)
     batch = daemon._batch(replay)
     online = with_features({k: batch[k] for k in ("input_ids", "loss_mask", "position_ids", "doc_ids")},
                            daemon.target, daemon.options.topk)  # fmt: skip
@@ -614,12 +632,12 @@ def test_daemon_features_in_bfloat16_drafter_trains_in_float32(tmp_path):
     assert {p.dtype for p in daemon.target.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in daemon.drafter.parameters()} == {torch.float32}
     daemon.read()
-    batch = daemon._batch(Replay.from_json(daemon.state["replay"]))
+    batch = daemon._batch(Replay.from_json(daemon.state.replay))
     assert batch["features"].dtype == torch.bfloat16
     candidate = daemon.train(arms[0])
     assert {p.dtype for p in candidate.parameters()} == {torch.float32}
     assert math.isfinite(daemon.shadow(candidate))
-    daemon.state["ref"]["1"] = 4.5  # τ fell from 4.5 to 4: worth an update
+    daemon.state.ref["1"] = 4.5  # τ fell from 4.5 to 4: worth an update
     assert daemon.run(once=True) == 0
     decision = _journal(tmp_path)[-1]
     assert decision["arm"] == "full-1" and "failed" not in decision

@@ -16,7 +16,7 @@ from trainer.errors import UserError
 from trainer.vlog.reader import LogReader
 from trainer.vlog.recorder import _log_softmax
 from trainer.vlog.schema import RecordError, request_record, step_record, validate
-from trainer.vlog.writer import LogWriter
+from trainer.vlog.writer import CHECKED_FIRST, LogWriter
 
 V = 100
 
@@ -209,6 +209,22 @@ def test_writer_refuses_an_invalid_record_and_goes_on(tmp_path):
     writer.flush()
     writer.close()
     assert [r["request"] for *_, r in read_all(tmp_path)[0]] == ["good"]
+
+
+def test_a_sampling_writer_checks_its_first_records_and_one_in_n_and_readers_check_every_line(tmp_path):
+    writer = LogWriter(tmp_path, "w", vocab_size=V, check_every=2)
+    for i in range(CHECKED_FIRST):
+        writer.write(step(request=str(i)))
+    writer.write(step(request="checked", root=V))  # record 1000: 1000 % 2 == 0, validated and refused
+    with pytest.raises(RecordError, match="outside the vocabulary"):
+        writer.flush()
+    writer.write(step(request="valid"))
+    writer.write(step(request="unchecked", root=V))  # record 1001: not validated, written
+    writer.close()
+    items, _ = read_all(tmp_path)
+    tail = [(r.get("request"), None) if isinstance(r, dict) else (None, str(r)) for *_, r in items[-2:]]
+    assert len(items) == CHECKED_FIRST + 2 and tail[0] == ("valid", None)
+    assert "outside the vocabulary" in tail[1][1]
 
 
 def test_a_full_queue_makes_write_wait_not_drop(tmp_path):

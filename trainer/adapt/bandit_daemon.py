@@ -37,7 +37,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -135,6 +135,52 @@ def broken(drafter: torch.nn.Module) -> str | None:
     return None
 
 
+@dataclass
+class DaemonState:
+    """What ``STATE/state.json`` holds: everything a restart needs to go on where the last commit left off. Keys of
+    the per-version maps are version numbers as strings (JSON object keys)."""
+
+    version: int
+    previous: int | None
+    # The decision whose version is being judged (its arm, τ before, replay position), or None.
+    pending: dict | None
+    # Per version: how many requests the replay had seen when its drafter was trained (novelty).
+    trained_at: dict[str, int]
+    replay: dict  # Replay.to_json()
+    offsets: dict[str, int] = field(default_factory=dict)
+    quarantine_bytes: int = 0
+    decisions_bytes: int = 0
+    live: dict[str, dict] = field(default_factory=dict)  # LiveTau.to_json() per version
+    ref: dict[str, float] = field(default_factory=dict)  # the reference τ per version
+    arms: dict[str, dict] = field(default_factory=dict)  # ArmStats.to_json() per arm
+    pending_steps: dict[str, list] = field(default_factory=dict)  # step records of unfinished requests
+    requests: int = 0
+    serving_seconds: float = 0.0
+    served_tokens: int = 0
+    explore_tokens: float = 0.0
+    decisions: int = 0
+    updates: int = 0
+    rollbacks: int = 0
+    quarantined: int = 0
+    # Steps kept out of every live τ, per reason; per version, the drafter name its steps carry.
+    ignored: dict[str, int] = field(default_factory=dict)
+    drafters: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, obj: object, path: Path) -> DaemonState:
+        """The state read from ``path``; a StateError names what is missing or foreign."""
+        if not isinstance(obj, dict):
+            raise StateError(f"the bandit state {path} is not a JSON object; move it away to start afresh")
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        unknown, missing = set(obj) - {f.name for f in fields(cls)}, required - set(obj)
+        if unknown or missing:
+            raise StateError(
+                f"the bandit state {path} has unknown keys {sorted(unknown)} and lacks {sorted(missing)}: another "
+                "version wrote it; move it away to start afresh"
+            )
+        return cls(**obj)
+
+
 class BanditDaemon:
     """Reads ``logs`` from the committed offsets, decides, publishes drafter versions to ``publish_dir``."""
 
@@ -174,26 +220,28 @@ class BanditDaemon:
         except OSError as e:
             raise UserError(f"cannot create the state directory {self.state_dir}: {e.strerror}") from e
         self._lock = lock_state_dir(self.state_dir, "bandit")
-        # The target in ``dtype`` on ``device`` computes features; the drafters keep float32 weights beside it and
-        # compute in ``dtype`` under autocast (a recipe's bf16-mixed precision).
-        self.device, self.dtype = device, dtype
-        model = load_causal_lm(str(project_path(target)), dtype, device=device)
-        self.vocab_size = model.config.vocab_size
-        self.state = self._load_state() or self._fresh_state(Path(drafter))
-        # Steps kept out of every live τ, per reason; per version, the drafter name its steps carry.
-        self.state.setdefault("ignored", {})
-        self.state.setdefault("drafters", {})
-        self._published: set[int] = set()
-        self.drafter = self._served_drafter()
-        self.options = options or update_options(self.drafter)
-        has_approx = family_of(self.drafter).approximator is not None
-        self.arms = tuple(a for a in arms if a.params != "approx" or has_approx)
-        for arm in self.arms:
-            self.state["arms"].setdefault(arm.name, ArmStats.fresh(config).to_json())
-        self.target = Target(model, target_layer_ids(self.drafter))
-        truncate_to(self.state_dir / QUARANTINE, self.state["quarantine_bytes"])
-        truncate_to(self.state_dir / DECISIONS, self.state["decisions_bytes"])
-        self.reader = LogReader(self.logs, self.state["offsets"], vocab_size=self.vocab_size)
+        # A daemon that cannot start (an unreadable state, a missing drafter) leaves the directory to the next.
+        try:
+            # The target in ``dtype`` on ``device`` computes features; the drafters keep float32 weights beside it and
+            # compute in ``dtype`` under autocast (a recipe's bf16-mixed precision).
+            self.device, self.dtype = device, dtype
+            model = load_causal_lm(str(project_path(target)), dtype, device=device)
+            self.vocab_size = model.config.vocab_size
+            self.state = self._load_state() or self._fresh_state(Path(drafter))
+            self._published: set[int] = set()
+            self.drafter = self._served_drafter()
+            self.options = options or update_options(self.drafter)
+            has_approx = family_of(self.drafter).approximator is not None
+            self.arms = tuple(a for a in arms if a.params != "approx" or has_approx)
+            for arm in self.arms:
+                self.state.arms.setdefault(arm.name, ArmStats.fresh(config).to_json())
+            self.target = Target(model, target_layer_ids(self.drafter))
+            truncate_to(self.state_dir / QUARANTINE, self.state.quarantine_bytes)
+            truncate_to(self.state_dir / DECISIONS, self.state.decisions_bytes)
+            self.reader = LogReader(self.logs, self.state.offsets, vocab_size=self.vocab_size)
+        except BaseException:
+            self._lock.close()
+            raise
         self.stop = threading.Event()
         self.alarm: str | None = None
         self._feature_cache: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
@@ -203,7 +251,7 @@ class BanditDaemon:
         self._lock.close()
 
     # ---- state -------------------------------------------------------------------------------------------
-    def _fresh_state(self, drafter_dir: Path) -> dict:
+    def _fresh_state(self, drafter_dir: Path) -> DaemonState:
         """Publish ``--drafter`` as the first version unless one is current, and start counting from it."""
         current = read_current(self.publish_dir)
         previous, pending = None, None
@@ -216,65 +264,47 @@ class BanditDaemon:
             # Served already (a state directory lost or moved): resume from the version and its decision.
             manifest = read_manifest(current[1])
             version, previous, pending = current[0], manifest.get("parent"), manifest.get("decision")
-        return {
-            "offsets": {},
-            "quarantine_bytes": 0,
-            "decisions_bytes": 0,
-            "version": version,
-            "previous": previous,
-            "live": {},
-            "ref": {},
-            # Per version: how many requests the replay had seen when its drafter was trained (novelty).
-            "trained_at": {str(version): (pending or {}).get("seen", 0)},
-            "arms": {},
-            "pending": pending,
-            "replay": Replay(self.config.buffer_requests, self.config.holdout_every).to_json(),
-            "pending_steps": {},
-            "requests": 0,
-            "serving_seconds": 0.0,
-            "served_tokens": 0,
-            "explore_tokens": 0.0,
-            "decisions": 0,
-            "updates": 0,
-            "rollbacks": 0,
-            "quarantined": 0,
-            "ignored": {},
-            "drafters": {},
-        }
+        return DaemonState(
+            version=version,
+            previous=previous,
+            pending=pending,
+            trained_at={str(version): (pending or {}).get("seen", 0)},
+            replay=Replay(self.config.buffer_requests, self.config.holdout_every).to_json(),
+        )
 
-    def _load_state(self) -> dict | None:
+    def _load_state(self) -> DaemonState | None:
         path = self.state_dir / STATE_FILE
         if not path.exists():
             return None
         try:
-            state = json.loads(path.read_text())
+            state = DaemonState.from_json(json.loads(path.read_text()), path)
         except (OSError, json.JSONDecodeError) as e:
             raise StateError(f"cannot read the bandit state {path}: {e}; move it away to start afresh") from e
         current = read_current(self.publish_dir)
-        if current is not None and current[0] != state["version"]:
+        if current is not None and current[0] != state.version:
             # Published after the last commit: adopt the version with the decision its manifest carries.
             manifest = read_manifest(current[1])
-            state["previous"], state["version"] = manifest.get("parent", state["version"]), current[0]
-            state["pending"] = manifest.get("decision")
-            state["trained_at"][str(current[0])] = (state["pending"] or {}).get("seen", state["replay"]["seen"])
+            state.previous, state.version = manifest.get("parent", state.version), current[0]
+            state.pending = manifest.get("decision")
+            state.trained_at[str(current[0])] = (state.pending or {}).get("seen", state.replay["seen"])
         return state
 
     def commit(self) -> None:
-        self.state["offsets"] = dict(self.reader.offsets)
+        self.state.offsets = dict(self.reader.offsets)
         try:
-            write_text_atomic(self.state_dir / STATE_FILE, json.dumps(self.state))
+            write_text_atomic(self.state_dir / STATE_FILE, json.dumps(asdict(self.state)))
             write_text_atomic(self.state_dir / METRICS, json.dumps(self.metrics(), indent=1))
         except OSError as e:
             raise StateError(f"cannot write the bandit state into {self.state_dir}: {e.strerror}") from e
 
     def metrics(self) -> dict:
-        live = self._live(self.state["version"])
+        live = self._live(self.state.version)
         keys = ("version", "previous", "decisions", "updates", "rollbacks", "quarantined", "requests")
         return {
-            **{k: self.state[k] for k in keys},
+            **{k: getattr(self.state, k) for k in keys},
             "tau": live.tau if live.recent else None,
             "alarm": self.alarm,
-            "ignored_steps": dict(self.state["ignored"]),
+            "ignored_steps": dict(self.state.ignored),
         }
 
     def _served_drafter(self) -> torch.nn.Module:
@@ -288,13 +318,13 @@ class BanditDaemon:
         return load_drafter(directory).to(self.device)
 
     def _live(self, version: int | None) -> LiveTau:
-        obj = self.state["live"].get(str(version))
+        obj = self.state.live.get(str(version))
         return LiveTau.from_json(obj) if obj else LiveTau(self.config.window_steps)
 
     def _log(self, entry: dict) -> None:
         path = self.state_dir / DECISIONS
         try:
-            self.state["decisions_bytes"] = append_lines(path, [{"time": time.time(), **entry}])
+            self.state.decisions_bytes = append_lines(path, [{"time": time.time(), **entry}])
         except OSError as e:
             raise StateError(f"cannot append to {path}: {e.strerror}") from e
 
@@ -302,8 +332,8 @@ class BanditDaemon:
     def read(self) -> int:
         """Apply every log line readable now; returns how many."""
         live: dict[str, LiveTau] = {}
-        replay = Replay.from_json(self.state["replay"])
-        pending = self.state["pending_steps"]
+        replay = Replay.from_json(self.state.replay)
+        pending = self.state.pending_steps
         errors, n = [], 0
         for _, _, _, record in self.reader:
             n += 1
@@ -318,9 +348,9 @@ class BanditDaemon:
                         live[key] = self._live(key)
                     live[key].add(step_tokens(record), step_seconds(record))
                 else:
-                    self.state["ignored"][ignored] = self.state["ignored"].get(ignored, 0) + 1
-                self.state["serving_seconds"] += step_seconds(record)
-                self.state["served_tokens"] += step_tokens(record)
+                    self.state.ignored[ignored] = self.state.ignored.get(ignored, 0) + 1
+                self.state.serving_seconds += step_seconds(record)
+                self.state.served_tokens += step_tokens(record)
                 pending.setdefault(record["request"], []).append(record)
                 while len(pending) > PENDING_REQUESTS:
                     pending.pop(next(iter(pending)))
@@ -329,17 +359,17 @@ class BanditDaemon:
                 seq = record["prompt_ids"] + record["output_ids"]
                 steps = [s for s in steps if s["pos"] < len(seq) and seq[s["pos"]] == s["root"]]
                 replay.add(record["prompt_ids"], record["output_ids"], steps)
-                self.state["requests"] += 1
+                self.state.requests += 1
         if errors:
             path = self.state_dir / QUARANTINE
             try:
-                self.state["quarantine_bytes"] = append_lines(path, quarantine_lines(errors))
+                self.state.quarantine_bytes = append_lines(path, quarantine_lines(errors))
             except OSError as e:
                 raise StateError(f"cannot append to {path}: {e.strerror}; restart once it is writable") from e
-            self.state["quarantined"] += len(errors)
+            self.state.quarantined += len(errors)
         for key, value in live.items():
-            self.state["live"][key] = value.to_json()
-        self.state["replay"] = replay.to_json()
+            self.state.live[key] = value.to_json()
+        self.state.replay = replay.to_json()
         return n
 
     def _ignored(self, record: dict) -> str | None:
@@ -352,7 +382,7 @@ class BanditDaemon:
             return "unversioned"
         if type(version) is not int or not self._is_published(version):
             return "unknown version"
-        name = self.state["drafters"].setdefault(str(version), record["drafter"])
+        name = self.state.drafters.setdefault(str(version), record["drafter"])
         return None if name == record["drafter"] else "other drafter"
 
     def _is_published(self, version: int) -> bool:
@@ -362,41 +392,41 @@ class BanditDaemon:
 
     # ---- deciding ----------------------------------------------------------------------------------------
     def rates(self) -> Rates:
-        live = self._live(self.state["version"])
-        rate = self.state["requests"] / max(self.state["serving_seconds"], 1e-9)
+        live = self._live(self.state.version)
+        rate = self.state.requests / max(self.state.serving_seconds, 1e-9)
         return Rates(live.tau, live.step_seconds, rate)
 
     def context(self, live: LiveTau) -> Context:
         """The served version's novelty and drift (trainer/adapt/bandit.py), ``live`` its live τ."""
-        version = str(self.state["version"])
-        seen = self.state["replay"]["seen"] - self.state["trained_at"].get(version, 0)
+        version = str(self.state.version)
+        seen = self.state.replay["seen"] - self.state.trained_at.get(version, 0)
         novelty = min(1.0, max(0, seen) / self.config.buffer_requests)
-        return Context(novelty, drift(self.state["ref"][version], live, self.config))
+        return Context(novelty, drift(self.state.ref[version], live, self.config))
 
     def decide(self) -> None:
         """One decision if the served version has a full live window (see the module docstring)."""
-        version = self.state["version"]
+        version = self.state.version
         live = self._live(version)
-        if not live.full or self.state["requests"] == 0:
+        if not live.full or self.state.requests == 0:
             return
-        if str(version) not in self.state["ref"]:
+        if str(version) not in self.state.ref:
             # An update's version inherits its parent's reference: the drift stays measured from the τ before it
             # until updates recover it (or the learnt regression says they cannot).
-            parent = self.state["ref"].get(str(self.state["previous"]), 0.0) if self.state["pending"] else 0.0
-            self.state["ref"][str(version)] = max(live.tau, parent)
-        best = max(self.state["ref"].values())
+            parent = self.state.ref.get(str(self.state.previous), 0.0) if self.state.pending else 0.0
+            self.state.ref[str(version)] = max(live.tau, parent)
+        best = max(self.state.ref.values())
         if collapsed(live.tau, best, self.config):
             self._raise_alarm(live.tau, best)
             return
-        if self.state["pending"] is not None:
+        if self.state.pending is not None:
             self._judge(live)
             return
         self._choose(live)
 
     def _raise_alarm(self, tau: float, best: float) -> None:
-        self.alarm = f"live tau {tau:.3f} of version {self.state['version']} collapsed (best {best:.3f})"
-        entry = {"event": "alarm", "version": self.state["version"], "tau": tau, "best_tau": best}
-        previous = self.state["previous"]
+        self.alarm = f"live tau {tau:.3f} of version {self.state.version} collapsed (best {best:.3f})"
+        entry = {"event": "alarm", "version": self.state.version, "tau": tau, "best_tau": best}
+        previous = self.state.previous
         if previous is not None and (self.publish_dir / f"v{previous:06d}").is_dir():
             entry["rolled_back_to"] = self._republish(previous, "alarm")
         self._log(entry)
@@ -406,42 +436,42 @@ class BanditDaemon:
         """Publish the drafter of an earlier version again, as a new version."""
         model = self._load_drafter(self.publish_dir / f"v{version:06d}")
         new = publish(self.publish_dir, model.save_pretrained, {"kind": "drafter", "rollback_of": version, "why": why})
-        self.state["trained_at"][str(new)] = self.state["trained_at"].get(str(version), 0)
-        self.state["previous"], self.state["version"] = None, new
-        self.state["pending"] = None
-        self.state["rollbacks"] += 1
+        self.state.trained_at[str(new)] = self.state.trained_at.get(str(version), 0)
+        self.state.previous, self.state.version = None, new
+        self.state.pending = None
+        self.state.rollbacks += 1
         self.drafter = model
         return new
 
     def _judge(self, live: LiveTau) -> None:
         """The realised outcome of the last published update: learn from it, roll back if worse."""
-        pending = self.state["pending"]
+        pending = self.state.pending
         realised = live.tau - pending["tau_before"]
-        stats = ArmStats.from_json(self.state["arms"][pending["arm"]])
+        stats = ArmStats.from_json(self.state.arms[pending["arm"]])
         stats.scale.add(pending["shadow_gain"], realised / pending["tau_before"])
-        self.state["arms"][pending["arm"]] = stats.to_json()
+        self.state.arms[pending["arm"]] = stats.to_json()
         entry = {"event": "outcome", "decision": pending["decision"], "arm": pending["arm"], "tau": live.tau}
         entry |= {"tau_before": pending["tau_before"], "realised_gain": realised, "predicted": pending["tau_new"]}
-        self.state["pending"] = None
+        self.state.pending = None
         se = math.hypot(pending.get("tau_before_se", 0.0), live.se)
-        if rolled_back(pending["tau_before"], live.tau, self.config, se) and self.state["previous"] is not None:
-            entry["rolled_back_to"] = self._republish(self.state["previous"], "rollback")
+        if rolled_back(pending["tau_before"], live.tau, self.config, se) and self.state.previous is not None:
+            entry["rolled_back_to"] = self._republish(self.state.previous, "rollback")
         self._log(entry)
 
     def _choose(self, live: LiveTau) -> None:
         rates = self.rates()
-        version = self.state["version"]
-        stats = {name: ArmStats.from_json(obj) for name, obj in self.state["arms"].items()}
-        explore_left = self.config.explore_share * self.state["served_tokens"] - self.state["explore_tokens"]
-        replay = Replay.from_json(self.state["replay"])
+        version = self.state.version
+        stats = {name: ArmStats.from_json(obj) for name, obj in self.state.arms.items()}
+        explore_left = self.config.explore_share * self.state.served_tokens - self.state.explore_tokens
+        replay = Replay.from_json(self.state.replay)
         context = self.context(live)
         arm_name, estimates = plan(rates, context, self.arms, stats, self.config, explore_left)
         if not any(r["steps"] for r in replay.holdout) or not replay.train:
             # A candidate could be neither trained nor judged: spending the update would buy nothing.
             arm_name = SKIP
-        self.state["decisions"] += 1
-        entry = {"event": "decision", "decision": self.state["decisions"], "version": version, "tau": rates.tau}
-        entry |= {"tau_ref": self.state["ref"][str(version)], "step_seconds": rates.step_seconds}
+        self.state.decisions += 1
+        entry = {"event": "decision", "decision": self.state.decisions, "version": version, "tau": rates.tau}
+        entry |= {"tau_ref": self.state.ref[str(version)], "step_seconds": rates.step_seconds}
         entry |= {"novelty": context.novelty, "drift": context.drift}
         entry |= {"request_rate": rates.request_rate, "horizon_s": rates.horizon_seconds(self.config)}
         entry |= {"estimates": [asdict(e) | {"net": e.net, "exploring": e.exploring} for e in estimates]}
@@ -468,28 +498,28 @@ class BanditDaemon:
             )
         seconds = self.clock() - started
         if next(e for e in estimates if e.arm == arm_name).exploring:
-            self.state["explore_tokens"] += cost_tokens(rates, seconds * self.config.update_cost_share)
+            self.state.explore_tokens += cost_tokens(rates, seconds * self.config.update_cost_share)
         gain = shadow_gain(served_shadow, cand_shadow)
         stats[arm_name].measured(seconds)
         stats[arm_name].tried += 1
         if math.isfinite(gain):
             stats[arm_name].lift.add(context.x, gain)
-        self.state["arms"][arm_name] = stats[arm_name].to_json()
+        self.state.arms[arm_name] = stats[arm_name].to_json()
         tau_new = shadow_tau(rates, gain, max(0.0, stats[arm_name].scale.estimate))
         entry |= {"update_seconds": seconds, "shadow_served": served_shadow, "shadow_candidate": cand_shadow}
         entry |= {"shadow_gain": gain, "tau_new": tau_new, "published": None}
         if candidate is not None and (reason := broken(candidate)) is not None:
             entry["failed"] = reason
         elif candidate is not None and should_publish(rates, tau_new, self.config):
-            pending = {"decision": self.state["decisions"], "arm": arm_name, "tau_before": rates.tau}
+            pending = {"decision": self.state.decisions, "arm": arm_name, "tau_before": rates.tau}
             pending["tau_before_se"] = live.se
             pending |= {"tau_new": tau_new, "shadow_gain": gain, "seen": replay.seen}
             manifest = {"kind": "drafter", "parent": version, "decision": pending}
             new = publish(self.publish_dir, candidate.save_pretrained, manifest, keep=self.keep)
-            self.state["trained_at"][str(new)] = replay.seen
+            self.state.trained_at[str(new)] = replay.seen
             entry["published"] = new
-            self.state["previous"], self.state["version"], self.state["pending"] = version, new, pending
-            self.state["updates"] += 1
+            self.state.previous, self.state.version, self.state.pending = version, new, pending
+            self.state.updates += 1
             self.drafter = candidate
         self._log(entry)
         self._reset_window(version)
@@ -497,7 +527,7 @@ class BanditDaemon:
     def _reset_window(self, version: int) -> None:
         live = self._live(version)
         live.recent.clear()
-        self.state["live"][str(version)] = live.to_json()
+        self.state.live[str(version)] = live.to_json()
 
     # ---- updating ----------------------------------------------------------------------------------------
     def _autocast(self) -> torch.autocast:
@@ -524,7 +554,7 @@ class BanditDaemon:
 
     def train(self, arm: Arm) -> torch.nn.Module:
         """A candidate: a copy of the served drafter after the arm's steps on replayed requests."""
-        replay = Replay.from_json(self.state["replay"])
+        replay = Replay.from_json(self.state.replay)
         if not replay.train:
             raise NonFiniteStep("no replayed requests to train on")
         candidate = copy.deepcopy(self.drafter)
@@ -540,7 +570,7 @@ class BanditDaemon:
             params = family.parameters(candidate, arm.params)
         optimizer = torch.optim.AdamW(params, lr=arm.lr, weight_decay=0.0)
         for i in range(arm.steps):
-            step = self.state["updates"] * 1000 + i
+            step = self.state.updates * 1000 + i
             with self._autocast():
                 train_step(candidate, self.target, self._batch(replay), optimizer, step, self.options)
         if lora is not None:
@@ -552,7 +582,7 @@ class BanditDaemon:
     def shadow(self, drafter: torch.nn.Module) -> float:
         """Mean expected tokens per step of ``drafter`` on the held-back logged contexts (a chain of the family's
         depths against the logged target top-k along each step's accepted path)."""
-        replay = Replay.from_json(self.state["replay"])
+        replay = Replay.from_json(self.state.replay)
         depth = chain_depth(drafter, self.options)
         totals = []
         for request in replay.holdout:
@@ -583,8 +613,8 @@ class BanditDaemon:
     def run(self, once: bool, poll_seconds: float = 1.0) -> int:
         """Read, decide, commit until drained (``once``) or stopped; ``ALARM_EXIT`` after an alarm, else 0."""
         if reason := broken(self.drafter):
-            self.alarm = f"served version {self.state['version']}: {reason}"
-            self._log({"event": "alarm", "version": self.state["version"], "reason": reason})
+            self.alarm = f"served version {self.state.version}: {reason}"
+            self._log({"event": "alarm", "version": self.state.version, "reason": reason})
             self.console.print(f"[bold red]ALARM[/] {self.alarm}", soft_wrap=True)
             self.commit()
             return ALARM_EXIT

@@ -11,7 +11,13 @@ A segment is ``{prefix}-{seq:06d}-{unix_ms}.jsonl.part`` while open and is finis
 rename to ``.jsonl``) when it reaches ``max_bytes``, when it has been open ``max_seconds``, and on ``close``.
 A server calls ``close`` from its SIGTERM handler; a process that exits without it is closed at exit. One live
 writer per prefix (a lock file enforces it); a new writer finishes the ``.part`` segments a dead one of the
-same prefix left behind, so readers stop waiting on them (a torn last line then reads as truncated)::
+same prefix left behind, so readers stop waiting on them (a torn last line then reads as truncated).
+
+Every record is validated unless ``check_every`` N > 1: then the first ``CHECKED_FIRST`` records and one in N
+after them are. The validator is pure Python and holds the GIL; a producer whose hot loop shares the process
+(vLLM's worker: validation was half of the plugin's logging overhead) and whose records are built by tested
+code may sample it. Every reader validates every line it reads, so an invalid line is still quarantined with its
+reason, never trusted::
 
     python -c "from trainer.vlog.writer import LogWriter; from trainer.vlog.schema import request_record; \\
         w = LogWriter('runs/logs', 'replica0'); \\
@@ -40,6 +46,8 @@ from trainer.vlog.schema import MAX_LINE_BYTES, RecordError, validate
 from trainer.vlog.segments import FINISHED, PART, PREFIX, list_segments, stem
 
 Record = dict | Callable[[], dict]
+# With ``check_every`` > 1, the records validated before sampling starts.
+CHECKED_FIRST = 1000
 
 
 class LogWriter:
@@ -53,6 +61,7 @@ class LogWriter:
         vocab_size: int | None = None,
         max_deferred: int = 8,
         interval: float = 0.1,
+        check_every: int = 1,
     ) -> None:
         if not PREFIX.fullmatch(prefix):
             raise UserError(f"log prefix {prefix!r} must be letters, digits, '_', '.', '-' (not starting with '.')")
@@ -92,6 +101,9 @@ class LogWriter:
         self._failed = 0
         self._closed = False
         self.records = 0
+        if check_every < 1:
+            raise ValueError(f"check_every must be >= 1, got {check_every}")
+        self.check_every = check_every
         self.segments: list[str] = []
         self._thread = threading.Thread(target=self._run, name=f"vlog-{prefix}", daemon=True)
         self._thread.start()
@@ -184,7 +196,8 @@ class LogWriter:
 
     def _append(self, item: Record) -> None:
         record = item() if callable(item) else item
-        validate(record, self.vocab_size)
+        if self.records < CHECKED_FIRST or self.records % self.check_every == 0:
+            validate(record, self.vocab_size)
         try:
             line = orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
         except orjson.JSONEncodeError as e:

@@ -56,6 +56,9 @@ from trainer.vlog.writer import LogWriter
 VLLM_VERSION = "0.32.0"
 # vLLM's speculative methods that draft without a model (logged with ``drafter: null``).
 DRAFTER_FREE = ("ngram", "ngram_gpu", "suffix")
+# The writer validates the first records and then one in this many (trainer.vlog.writer: the validator's Python
+# time on the writer thread holds the GIL vLLM's step needs); the tests validate every line the plugin writes.
+CHECK_EVERY = 16
 # vLLM's padding of ``sampled_token_ids`` after the first rejected draft.
 PLACEHOLDER = -1
 logger = logging.getLogger("trainer.vllm")
@@ -148,7 +151,8 @@ class Recorder:
         with self._lock:
             if self._writer is None:
                 assert self.config.log_dir is not None
-                self._writer = LogWriter(self.config.log_dir, self.config.prefix, vocab_size=self.vocab_size)
+                self._writer = LogWriter(self.config.log_dir, self.config.prefix, vocab_size=self.vocab_size,
+                                         check_every=CHECK_EVERY)  # fmt: skip
             return self._writer
 
     def steps_of_batch(
