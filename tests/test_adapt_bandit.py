@@ -24,13 +24,14 @@ from trainer.adapt.bandit import (
     LiveTau,
     Rates,
     Replay,
-    Scale,
     acceptance,
     collapsed,
     cost_tokens,
     drift,
     expected_accepted,
     gain_tokens,
+    live_gain,
+    outcome_weight,
     plan,
     pooled_priors,
     rolled_back,
@@ -265,13 +266,24 @@ def test_lift_regression_known_answers():
     assert mean == pytest.approx(mean_both) and cov == pytest.approx(cov_both)
 
 
-def test_scale_known_answers():
-    scale = Scale()
-    assert scale.estimate == 1.0
-    scale.add(0.1, 0.05)  # live gained half of what the shadow said
-    assert scale.estimate == pytest.approx((0.01 + 0.005) / (0.01 + 0.01))
-    scale.add(0.001, -0.2)  # a tiny shadow gain with a noisy live window barely moves the slope
-    assert scale.estimate == pytest.approx((0.01 + 0.005 - 0.0002) / (0.01 + 0.01 + 1e-6))
+def test_live_fit_known_answers():
+    config = BanditConfig(live_slope_sd=0.5, live_bias_sd=0.05, live_noise=0.05, lift_decay=1.0)
+    fit = ArmStats.fresh(config).live
+    assert live_gain(fit, 0.1) == pytest.approx(0.1)  # the prior: live = shadow
+    # One outcome at the noise floor (precision 400): a publish whose shadow said +0.02 realised -0.2. Posterior
+    # precision [[4 + 400·0.02², 400·0.02], [400·0.02, 400 + 400]], mean from [4 + 400·0.02·(-0.2), 400·(-0.2)].
+    fit.add((0.02, 1.0), -0.2, outcome_weight(0.01, config))
+    p00, p01, p11 = 4 + 400 * 0.02**2, 400 * 0.02, 800.0
+    b0, b1 = 4 + 400 * 0.02 * -0.2, 400 * -0.2
+    det = p00 * p11 - p01**2
+    slope, bias = (p11 * b0 - p01 * b1) / det, (p00 * b1 - p01 * b0) / det
+    assert live_gain(fit, 0.02) == pytest.approx(slope * 0.02 + bias)
+    assert bias < -0.09  # the arm's bias, not its slope, takes the miss: its small shadow gains now predict losses
+    assert live_gain(fit, 0.05) < 0
+    # A window four times noisier than the floor weighs a sixteenth: the same miss barely moves a fresh fit.
+    noisy = ArmStats.fresh(config).live
+    noisy.add((0.02, 1.0), -0.2, outcome_weight(0.2, config))
+    assert -0.02 < live_gain(noisy, 0.0) < 0
 
 
 @pytest.mark.parametrize("seconds", [0.5, 2.0, 8.0, 40.0])
@@ -323,12 +335,11 @@ def test_plan_learns_from_shadow_outcomes():
     for gain in (0.25, 0.3):  # "b" once tried gains a lot: worth its double cost
         stats["b"].lift.add(FRESH.x, gain)
     assert plan(rates, FRESH, arms, stats, config)[0] == "b"
-    # Live outcomes that fall short of the shadow's lower the scale, and with it every later estimate.
-    _, (before, _) = plan(rates, FRESH, arms, {"a": ArmStats.fresh(config), "b": stats["b"]}, config)
-    shrunk = ArmStats.fresh(config)
-    shrunk.scale.add(0.2, 0.0)
-    _, (after, _) = plan(rates, FRESH, arms, {"a": shrunk, "b": stats["b"]}, config)
-    assert after.gain == pytest.approx(before.gain * 0.01 / 0.05)
+    # "b"'s publishes realising well below their shadow gains (bias learnt from live outcomes) stop it.
+    for _ in range(3):
+        stats["b"].live.add((0.25, 1.0), -0.1, outcome_weight(0.0, config))
+    assert live_gain(stats["b"].live, 0.25) < 0
+    assert plan(rates, FRESH, arms, stats, config)[0] == SKIP
 
 
 def test_untried_arms_borrow_the_tried_arms_outcomes_and_costs():
@@ -421,9 +432,9 @@ def test_rollback_when_the_new_version_is_worse(tmp_path):
     (outcome,) = _journal(tmp_path)
     assert outcome["event"] == "outcome" and outcome["rolled_back_to"] == version
     assert outcome["realised_gain"] == pytest.approx(-1.0)
-    # The live outcome (-1/3 relative) against the shadow's +0.2 makes the shadow→live scale negative.
-    scale = restarted.state.arms["full-1"]["scale"]
-    assert scale["n"] == 1 and Scale(**scale).estimate == pytest.approx((0.01 - 0.2 / 3) / (0.01 + 0.04))
+    # The live outcome (-1/3 relative) against the shadow's +0.2 enters the arm's live fit: +0.2 now predicts a loss.
+    fit = ArmStats.from_json(restarted.state.arms["full-1"]).live
+    assert fit.n == 1 and fit.xy[1] < 0 and live_gain(fit, 0.2) < 0
 
 
 def test_a_state_file_of_another_version_is_refused_by_name(tmp_path):
@@ -436,6 +447,11 @@ def test_a_state_file_of_another_version_is_refused_by_name(tmp_path):
     assert saved["version"] == 1 and saved["replay"] == daemon.state.replay
     path.write_text(json.dumps({**saved, "arm_table": {}}))
     with pytest.raises(StateError, match=r"unknown keys \['arm_table'\] and lacks \[\]"):
+        _daemon(tmp_path)
+    # Arm statistics of another version (a shadow→live scale where the live fit now is) are refused by arm name.
+    old_arm = {k: v for k, v in saved["arms"]["full-1"].items() if k != "live"} | {"scale": {"prior": 1.0}}
+    path.write_text(json.dumps({**saved, "arms": {"full-1": old_arm}}))
+    with pytest.raises(StateError, match=r"arm statistics \['full-1'\] without the keys"):
         _daemon(tmp_path)
     del saved["version"]
     path.write_text(json.dumps(saved))
@@ -461,7 +477,10 @@ def test_an_updates_version_inherits_the_reference_tau(tmp_path):
     assert restarted.state.ref[str(v2)] == pytest.approx(4.5)  # not its own 4
     (outcome,) = _journal(tmp_path)
     assert outcome["event"] == "outcome" and outcome["realised_gain"] == pytest.approx(0.5)
-    assert restarted.state.arms["full-1"]["scale"]["sr"] == pytest.approx(0.2 * 0.5 / 3.5)
+    fit = ArmStats.from_json(restarted.state.arms["full-1"]).live
+    # One window of 8 steps that all committed 4 tokens: no step-wise error, so the outcome weighs the noise floor.
+    weight = outcome_weight(0.0, restarted.config)
+    assert fit.xy == pytest.approx([weight * 0.2 * 0.5 / 3.5, weight * 0.5 / 3.5])
     restarted.close()
 
 

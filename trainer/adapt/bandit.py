@@ -23,14 +23,20 @@ Before an update is paid for, its gain is predicted from its *context* ``x = (no
   or its parent's reference when an update published it and that is higher: drift shows as τ falling below it,
   and the relative gain of a full recovery is ``δ``.
 
-Per arm, the relative τ gain ``y = w · x`` is a Bayesian linear regression (``Lift``; prior: an update on a
-buffer of fresh traffic gains ``prior_lift``, one recovers ``prior_recovery`` of a drift). Its observations are
-shadow evaluations: after a candidate is trained, ``expected_accepted`` on held-back logged contexts gives its
-expected tokens per step against the served drafter's on the same contexts (paired, so far less noisy than live
-τ), ``y = candidate / served - 1``. A per-arm scale (``Scale``), learnt from realised outcomes (live τ after
-publishing vs. the shadow gain), turns shadow gains into live ones. The regression is used optimistically
-(upper confidence bound ``ucb``), so an arm never tried is tried when fresh traffic or drift is large enough, and
-one that disappoints, or stops paying as the drafter saturates, is tried less.
+Per arm, the relative τ gain ``y = w · x`` is a Bayesian linear regression (``Lift``; prior: an update on a buffer
+of fresh traffic gains ``prior_lift``, one recovers ``prior_recovery`` of a drift). Its observations are shadow
+evaluations: after a candidate is trained, ``expected_accepted`` on held-back logged contexts gives its expected
+tokens per step against the served drafter's on the same contexts (paired, so far less noisy than live τ), ``y =
+candidate / served - 1``. The shadow scores a teacher-forced chain along the logged path, only as deep as the
+served drafter's logged rows, not the tree the server drafts, so an arm's shadow gain can be off by an arm-specific
+amount (docs/bandit.md: in 87 publishes of benchmarks/bandit_trace.py the shadow gains averaged +10.8% / +2.3% /
++8.0% for the approximator / LoRA / full arms, the live ones +0.2% / -4.6% / -16.8%). A second per-arm regression
+(``Lift`` over ``(shadow gain, 1)``, the *live fit*) learns the realised relative gain after each publish as
+``slope · shadow + bias`` (prior 1 and 0), each outcome weighted by its measured noise (the two live windows'
+standard errors, at least ``live_noise``), and turns shadow gains into live ones. The shadow regression is used
+optimistically (upper confidence bound ``ucb``), so an arm never tried is tried when fresh traffic or drift is
+large enough, and one that disappoints, or stops paying as the drafter saturates, is tried less; an arm whose
+publishes keep realising less than their shadow said stops being chosen once its bias outweighs the gain.
 
 An arm not yet tried starts from what the tried ones showed (their pooled observations and measured seconds per
 step), so one arm's disappointment makes the next arm an exploration, not a sure bet. Exploration is bounded: an
@@ -93,6 +99,10 @@ class BanditConfig:
     # its drift, two others none.
     prior_recovery: float = 0.25
     shadow_noise: float = 0.05
+    # The live fit's prior: slope 1 ± live_slope_sd, bias 0 ± live_bias_sd; an outcome's noise is at least live_noise.
+    live_slope_sd: float = 0.5
+    live_bias_sd: float = 0.05
+    live_noise: float = 0.05
     lift_decay: float = 0.9
     prior_seconds_per_step: float = 0.5
     swap_seconds: float = 0.05
@@ -133,10 +143,11 @@ class Lift:
     xy: list[float] = field(default_factory=lambda: [0.0, 0.0])
     n: int = 0
 
-    def add(self, x: tuple[float, float], y: float) -> None:
-        d = self.decay
-        self.xx = [d * self.xx[0] + x[0] * x[0], d * self.xx[1] + x[0] * x[1], d * self.xx[2] + x[1] * x[1]]
-        self.xy = [d * self.xy[0] + x[0] * y, d * self.xy[1] + x[1] * y]
+    def add(self, x: tuple[float, float], y: float, weight: float = 1.0) -> None:
+        """One observation; ``weight`` scales its precision (``noise_sd² / its own variance``)."""
+        d, w = self.decay, weight
+        self.xx = [d * self.xx[0] + w * x[0] * x[0], d * self.xx[1] + w * x[0] * x[1], d * self.xx[2] + w * x[1] * x[1]]
+        self.xy = [d * self.xy[0] + w * x[0] * y, d * self.xy[1] + w * x[1] * y]
         self.n += 1
 
     def pooled(self, others: list[Lift]) -> Lift:
@@ -168,34 +179,26 @@ class Lift:
         return w[0] * x[0] + w[1] * x[1] + beta * math.sqrt(max(var, 0.0))
 
 
-@dataclass
-class Scale:
-    """Live gain per unit of shadow gain: a least-squares slope through the origin, ``(w·prior + Σ s·r) /
-    (w + Σ s²)``, with the prior weighing as much as ``weight`` of ``s²``. A small shadow gain says little about
-    the slope and moves it little, so noisy live windows cannot swing it."""
+def live_gain(fit: Lift, shadow: float) -> float:
+    """The relative live τ gain the live fit (a ``Lift`` over ``(shadow gain, 1)``) predicts for a shadow gain: its
+    slope (never negative: a larger shadow gain does not predict a smaller live one) times the gain, plus its bias."""
+    (slope, bias), _ = fit.posterior()
+    return max(0.0, slope) * shadow + bias
 
-    prior: float = 1.0
-    weight: float = 0.01
-    sr: float = 0.0
-    ss: float = 0.0
-    n: int = 0
 
-    def add(self, shadow: float, realised: float) -> None:
-        self.sr += shadow * realised
-        self.ss += shadow * shadow
-        self.n += 1
-
-    @property
-    def estimate(self) -> float:
-        return (self.weight * self.prior + self.sr) / (self.weight + self.ss)
+def outcome_weight(relative_se: float, config: BanditConfig) -> float:
+    """The live fit's weight of one realised outcome whose relative standard error is ``relative_se``: its
+    precision, the error taken as at least ``live_noise`` (a window's step-wise error misses that its requests are
+    few and that traffic may shift between the two windows)."""
+    return 1.0 / max(relative_se, config.live_noise) ** 2
 
 
 @dataclass
 class ArmStats:
-    """What the bandit learnt about one arm: its gain regression, the shadow→live scale, measured seconds."""
+    """What the bandit learnt about one arm: its shadow-gain regression, its live fit, measured seconds."""
 
     lift: Lift
-    scale: Scale
+    live: Lift
     seconds: float | None = None
     tried: int = 0
 
@@ -203,7 +206,9 @@ class ArmStats:
     def fresh(cls, config: BanditConfig) -> ArmStats:
         # Prior spread = prior mean: a gain of 0 or twice the prior is one standard deviation away.
         prior = (config.prior_lift, config.prior_recovery)
-        return cls(Lift(prior, prior, config.shadow_noise, config.lift_decay), Scale())
+        # The live fit's weights are precisions (outcome_weight), so its own noise_sd is 1.
+        live = Lift((1.0, 0.0), (config.live_slope_sd, config.live_bias_sd), 1.0, config.lift_decay)
+        return cls(Lift(prior, prior, config.shadow_noise, config.lift_decay), live)
 
     def measured(self, seconds: float) -> None:
         """Cost estimate: exponential average of the measured seconds (half weight on the newest)."""
@@ -214,8 +219,9 @@ class ArmStats:
 
     @classmethod
     def from_json(cls, obj: dict) -> ArmStats:
-        lift = {**obj["lift"], "prior": tuple(obj["lift"]["prior"]), "prior_sd": tuple(obj["lift"]["prior_sd"])}
-        return cls(Lift(**lift), Scale(**obj["scale"]), obj["seconds"], obj["tried"])
+        lift, live = ({**obj[k], "prior": tuple(obj[k]["prior"]), "prior_sd": tuple(obj[k]["prior_sd"])}
+                      for k in ("lift", "live"))  # fmt: skip
+        return cls(Lift(**lift), Lift(**live), obj["seconds"], obj["tried"])
 
 
 @dataclass
@@ -350,7 +356,7 @@ def plan(
     """The arm with the largest expected net gain, or ``SKIP`` when none is positive or the best one is
     exploration costing more than ``explore_left`` served tokens, and every arm's estimate.
 
-    Expected τ gain of an arm = τ × its shadow→live scale × its regression's optimistic relative gain in
+    Expected τ gain of an arm = τ × what its live fit makes of its regression's optimistic relative gain in
     ``context``; an arm not yet tried or measured starts from ``pooled_priors``.
     """
     pooled, seconds_per_step = pooled_priors(arms, stats, config)
@@ -358,9 +364,8 @@ def plan(
     for arm in arms:
         s = stats[arm.name]
         lift = s.lift if s.lift.n else pooled
-        scale = max(0.0, s.scale.estimate)
-        tau_gain = rates.tau * scale * max(0.0, lift.upper(context.x, config.ucb))
-        mean_gain = gain_tokens(rates, rates.tau * (1 + scale * max(0.0, lift.mean(context.x))), config)
+        tau_gain = rates.tau * max(0.0, live_gain(s.live, max(0.0, lift.upper(context.x, config.ucb))))
+        mean_gain = gain_tokens(rates, rates.tau * (1 + live_gain(s.live, max(0.0, lift.mean(context.x)))), config)
         seconds = s.seconds if s.seconds is not None else arm.steps * seconds_per_step
         cost = cost_tokens(rates, seconds * config.update_cost_share + config.swap_seconds)
         gain = gain_tokens(rates, rates.tau + tau_gain, config)
@@ -379,10 +384,10 @@ def shadow_gain(served: float, candidate: float) -> float:
     return candidate / served - 1.0
 
 
-def shadow_tau(rates: Rates, gain: float, scale: float) -> float:
-    """Live τ predicted for a candidate whose shadow gain is ``gain``: the served version's live τ scaled by the
-    learnt shadow→live factor."""
-    return rates.tau * (1.0 + scale * gain)
+def shadow_tau(rates: Rates, gain: float, live: Lift) -> float:
+    """Live τ predicted for a candidate whose shadow gain is ``gain``: the served version's live τ times one plus
+    what the arm's live fit makes of the gain."""
+    return rates.tau * (1.0 + live_gain(live, gain))
 
 
 def should_publish(rates: Rates, tau_new: float, config: BanditConfig) -> bool:

@@ -9,16 +9,16 @@ or another drafter's name than the version's first steps carried does not enter 
 
     trainer adapt bandit --logs runs/logs --drafter checkpoints/treeflash --publish runs/drafters --once
 
-The rule (estimates in trainer/adapt/bandit.py): when the served version has a full window of live steps,
-(1) τ collapsing raises the alarm (exit code 3, a log line, ``alarm`` in the metrics) after rolling back to the
-previous version when there is one; (2) a version published by an earlier decision is judged: its live τ is
-the realised outcome that updates the arm's shadow→live scale, and it is rolled back when it fell below the
+The rule (estimates in trainer/adapt/bandit.py): when the served version has a full window of live steps, (1) τ
+collapsing raises the alarm (exit code 3, a log line, ``alarm`` in the metrics) after rolling back to the previous
+version when there is one; (2) a version published by an earlier decision is judged: its live τ is the realised
+outcome that updates the arm's live fit (shadow gain → live gain), and it is rolled back when it fell below the
 previous version's τ by the margin; (3) otherwise every arm's expected net gain in the served version's context
-(novelty, drift) is estimated and the best arm runs if it is positive: the candidate, a copy of the served
-drafter, takes the arm's steps on replayed requests through the training-step API (trainer/training/step.py),
-is shadow-evaluated on held-back logged contexts against their logged target top-k (the gain it shows trains the
-arm's regression), and is published when its predicted gain beats the swap. A failed or non-finite update is
-logged and leaves the served version as it is.
+(novelty, drift) is estimated and the best arm runs if it is positive: the candidate, a copy of the served drafter,
+takes the arm's steps on replayed requests through the training-step API (trainer/training/step.py), is
+shadow-evaluated on held-back logged contexts against their logged target top-k (the gain it shows trains the arm's
+regression), and is published when its predicted gain beats the swap. A failed or non-finite update is logged
+and leaves the served version as it is.
 
 State (``STATE/state.json``, replaced atomically): read offsets, the replay buffer, live τ per version, what the
 bandit learnt, the decision awaiting its outcome, and the lengths of ``STATE/quarantine.jsonl`` and
@@ -58,6 +58,7 @@ from trainer.adapt.bandit import (
     cost_tokens,
     drift,
     expected_accepted,
+    outcome_weight,
     plan,
     rolled_back,
     shadow_gain,
@@ -176,6 +177,14 @@ class DaemonState:
         if unknown or missing:
             raise StateError(
                 f"the bandit state {path} has unknown keys {sorted(unknown)} and lacks {sorted(missing)}: another "
+                "version wrote it; move it away to start afresh"
+            )
+        arm_keys = {f.name for f in fields(ArmStats)}
+        arms = obj.get("arms", {})
+        foreign = sorted(n for n, arm in arms.items() if not isinstance(arm, dict) or set(arm) != arm_keys)
+        if foreign:
+            raise StateError(
+                f"the bandit state {path} holds arm statistics {foreign} without the keys {sorted(arm_keys)}: another "
                 "version wrote it; move it away to start afresh"
             )
         return cls(**obj)
@@ -447,13 +456,14 @@ class BanditDaemon:
         """The realised outcome of the last published update: learn from it, roll back if worse."""
         pending = self.state.pending
         realised = live.tau - pending["tau_before"]
+        se = math.hypot(pending.get("tau_before_se", 0.0), live.se)
         stats = ArmStats.from_json(self.state.arms[pending["arm"]])
-        stats.scale.add(pending["shadow_gain"], realised / pending["tau_before"])
+        weight = outcome_weight(se / pending["tau_before"], self.config)
+        stats.live.add((pending["shadow_gain"], 1.0), realised / pending["tau_before"], weight)
         self.state.arms[pending["arm"]] = stats.to_json()
         entry = {"event": "outcome", "decision": pending["decision"], "arm": pending["arm"], "tau": live.tau}
         entry |= {"tau_before": pending["tau_before"], "realised_gain": realised, "predicted": pending["tau_new"]}
         self.state.pending = None
-        se = math.hypot(pending.get("tau_before_se", 0.0), live.se)
         if rolled_back(pending["tau_before"], live.tau, self.config, se) and self.state.previous is not None:
             entry["rolled_back_to"] = self._republish(self.state.previous, "rollback")
         self._log(entry)
@@ -505,7 +515,7 @@ class BanditDaemon:
         if math.isfinite(gain):
             stats[arm_name].lift.add(context.x, gain)
         self.state.arms[arm_name] = stats[arm_name].to_json()
-        tau_new = shadow_tau(rates, gain, max(0.0, stats[arm_name].scale.estimate))
+        tau_new = shadow_tau(rates, gain, stats[arm_name].live)
         entry |= {"update_seconds": seconds, "shadow_served": served_shadow, "shadow_candidate": cand_shadow}
         entry |= {"shadow_gain": gain, "tau_new": tau_new, "published": None}
         if candidate is not None and (reason := broken(candidate)) is not None:

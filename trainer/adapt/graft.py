@@ -393,7 +393,6 @@ def lines_of(batch: list) -> list[bytes]:
     return [item[3] for item in batch if not isinstance(item[3], RecordError)]
 
 
-
 class GraftDaemon:
     """Reads ``logs`` from the committed offsets, aggregates, commits state to ``state_dir`` and publishes
     snapshots to ``publish_dir``. ``run`` returns when the log is drained (``once``) or ``stop`` is set."""
