@@ -12,7 +12,8 @@ In production a shift lasts hours. Here the long stream is simulated and the dra
   from the version in service on ``--traffic`` logged requests of the current phase (a daemon's replay buffer);
   its seconds are measured. A candidate is a function of (version, phase, arm), so policies and seeds that ask for
   the same one share it. The n-th update of a lineage trains on part n (mod ``--slices``) of the phase's traffic
-  prompts: fresh traffic, as a server's replay buffer would hold.
+  prompts: fresh traffic, as a server's replay buffer would hold. Parts interleave over the whole text, so they
+  are alike in difficulty.
 - **Measurements.** Each version that serves a phase decodes ``--heldout`` held-out prompts of that phase (its τ:
   tokens and steps per request); a version whose logs a daemon reads also decodes ``--live`` traffic prompts
   with the verifier log on (the sample its logged requests are drawn from; the shipped drafter decodes all
@@ -124,6 +125,11 @@ class Version:
     heldout: dict[str, list[list[int]]] = field(default_factory=dict)  # phase -> [tokens, steps] per request
 
 
+def spread(items: list, count: int) -> list:
+    """``count`` of ``items`` evenly spaced from the first (all of them when ``count`` is ``len(items)``)."""
+    return items[:: max(1, len(items) // count)][:count]
+
+
 class Versions:
     """Every version of a run, what each measured, and its logged traffic; kept under ``OUT/versions`` so a rerun
     with the same settings reuses them."""
@@ -142,6 +148,7 @@ class Versions:
         index = self.root / "index.json"
         settings = {k: getattr(args, k) for k in ("heldout", "traffic", "live", "slices", "prompt_tokens",
                                                    "new_tokens", "budget")}  # fmt: skip
+        settings["parts"] = "interleaved"
         saved = json.loads(index.read_text()) if index.is_file() else {}
         self.by_key: dict[tuple, Version] = {}
         if saved.get("settings") == settings:
@@ -197,21 +204,25 @@ class Versions:
         return v.heldout[phase]
 
     def live(self, v: Version, phase: str) -> list[list[dict]]:
-        """The sample a daemon's logs draw from while ``v`` serves ``phase``: the first ``--live`` requests of the
-        lineage's traffic part, decoded by ``v`` (the shipped drafter's are a slice of its training traffic)."""
+        """The sample a daemon's logs draw from while ``v`` serves ``phase``: ``--live`` requests spread over the
+        lineage's next traffic part (not the one ``v`` trained on), decoded by ``v`` (the shipped drafter's are
+        the same spread of the part it decoded whole as training traffic)."""
         part = len(v.history) % self.args.slices
         count = self.args.traffic if v is self.shipped else self.args.live
-        return self.traffic(v, phase, part, count)[: self.args.live]
+        return spread(self.traffic(v, phase, part, count), self.args.live)
 
     def traffic(self, v: Version, phase: str, part: int, count: int) -> list[list[dict]]:
-        """The first ``count`` logged requests of traffic part ``part`` of ``phase`` decoded by ``v``: per request
-        its step records, then its request record."""
+        """``count`` logged requests spread over traffic part ``part`` of ``phase``, decoded by ``v``: per request
+        its step records, then its request record. Part ``p`` is every ``--slices``-th traffic prompt from the
+        ``p``-th, so every part spans the whole text: parts of contiguous text differ in difficulty by more than
+        versions differ (shipped τ 1.67-1.76 over three contiguous thirds of torch), and a realised outcome that
+        compares two versions' samples would measure the parts."""
         if (v.name, phase, part, count) in self.logged:
             return self.logged[v.name, phase, part, count]
         logs = self.root / v.name / f"traffic-{phase}-{part}-{count}"
         if not any(logs.glob("*.jsonl")):
-            start = part * self.args.traffic
-            self._decode(v, self.windows[phase][1][start : start + count], logs, f"{v.name}-{phase}")
+            prompts = spread(self.windows[phase][1][part :: self.args.slices], count)
+            self._decode(v, prompts, logs, f"{v.name}-{phase}")
             self.save()
         requests, steps = [], {}
         for _, _, _, record in LogReader(logs, {}, vocab_size=self.vocab_size):
@@ -557,7 +568,7 @@ def main() -> None:
     p.add_argument("--costs", default="measured", help="'measured' here, or a profile of bandit_costs.json")
     p.add_argument("--heldout", type=int, default=12, help="held-out prompts per (version, phase): its τ")
     p.add_argument("--traffic", type=int, default=64, help="logged requests per (version, phase): a daemon's buffer")
-    p.add_argument("--live", type=int, default=16, help="logged requests per (version, phase) a daemon's log samples")
+    p.add_argument("--live", type=int, default=32, help="logged requests per (version, phase) a daemon's log samples")
     p.add_argument("--slices", type=int, default=3, help="traffic parts per phase (successive updates' data)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=40)
