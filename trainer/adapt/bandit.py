@@ -29,12 +29,12 @@ evaluations: after a candidate is trained, ``expected_accepted`` on held-back lo
 tokens per step against the served drafter's on the same contexts (paired, so far less noisy than live τ), ``y =
 candidate / served - 1``. The shadow scores a teacher-forced chain along the logged path, only as deep as the
 served drafter's logged rows, not the tree the server drafts, so an arm's shadow gain can be off by an arm-specific
-amount (docs/bandit.md: in 87 publishes of benchmarks/bandit_trace.py the shadow gains averaged +10.8% / +2.3% /
-+8.0% for the approximator / LoRA / full arms, the live ones +0.2% / -4.6% / -16.8%). A second per-arm regression
-(``Lift`` over ``(shadow gain, 1)``, the *live fit*) learns the realised relative gain after each publish as
-``slope · shadow + bias`` (prior 1 and 0), each outcome weighted by its measured noise (the two live windows'
-standard errors, at least ``live_noise``), and turns shadow gains into live ones. The shadow regression is used
-optimistically (upper confidence bound ``ucb``), so an arm never tried is tried when fresh traffic or drift is
+amount (docs/bandit.md: in the 88 publishes of one benchmarks/bandit_trace.py run the shadow gains averaged +16.6%
+/ +1.5% / +14.2% for the approximator / LoRA / full arms, the live ones +2.2% / -11.4% / +1.7%). A second per-arm
+regression (``Lift`` over ``(shadow gain, 1)``, the *live fit*) learns the realised relative gain after each
+publish as ``slope · shadow + bias`` (prior 1 and 0), each outcome weighted by its measured noise (the two live
+windows' standard errors, at least ``live_noise``), and turns shadow gains into live ones. The shadow regression is
+used optimistically (upper confidence bound ``ucb``), so an arm never tried is tried when fresh traffic or drift is
 large enough, and one that disappoints, or stops paying as the drafter saturates, is tried less; an arm whose
 publishes keep realising less than their shadow said stops being chosen once its bias outweighs the gain.
 
