@@ -1,50 +1,11 @@
 """The bandit's core: what the logs say, what an update is expected to gain and cost, and the decision.
 
-Pure: no files, no models (the daemon, trainer/adapt/bandit_daemon.py, measures and trains). Units:
-
-- τ: tokens committed per verification step (``len(accepted) + 1``), live per drafter version from step
-  records (``LiveTau``, a window of the latest steps);
-- step seconds ``s``: ``(ms.draft + ms.tree + ms.verify) / 1000`` per step; serving throughput ``θ = τ / s``;
-- horizon: ``horizon_requests`` future requests at the observed request rate ``λ = requests / serving
-  seconds`` (the logged ``ms`` of their steps), i.e. ``H = horizon_requests / λ`` seconds, in which
-  ``θ · H`` tokens are served;
-- gain of a candidate with τ' (same drafter shape, so same ``s``): ``θ · H · (τ'/τ - 1)`` served tokens;
-- cost of an update: its measured seconds (target forwards for features, optimiser steps, shadow evaluation)
-  times ``update_cost_share``, plus the swap, times ``θ``: the tokens the server would have served meanwhile.
-  The share is 1 when the update runs on the serving device (its seconds are taken from serving); on a separate
-  trainer device it is the stated exchange rate of a trainer-device second into serving seconds.
-
-Before an update is paid for, its gain is predicted from its *context* ``x = (novelty, drift)``:
-
-- novelty ``ν``: the share of the replay buffer the served version was not trained on, ``min(1, requests seen
-  since its training / buffer size)`` (the shipped drafter never saw served traffic). An update can only teach
-  what the drafter has not seen: right after one, ``ν`` is 0 and so is the expected gain of another;
-- drift ``δ = max(0, τ_ref - τ) / τ``, where ``τ_ref`` is the served version's live τ right after it went live,
-  or its parent's reference when an update published it and that is higher: drift shows as τ falling below it,
-  and the relative gain of a full recovery is ``δ``.
-
-Per arm, the relative τ gain ``y = w · x`` is a Bayesian linear regression (``Lift``; prior: an update on a buffer
-of fresh traffic gains ``prior_lift``, one recovers ``prior_recovery`` of a drift). Its observations are shadow
-evaluations: after a candidate is trained, ``expected_accepted`` on held-back logged contexts gives its expected
-tokens per step against the served drafter's on the same contexts (paired, so far less noisy than live τ), ``y =
-candidate / served - 1``. The shadow scores a teacher-forced chain along the logged path, only as deep as the
-served drafter's logged rows, not the tree the server drafts, so an arm's shadow gain can be off by an arm-specific
-amount (docs/bandit.md: in the 88 publishes of one benchmarks/bandit_trace.py run the shadow gains averaged +16.6%
-/ +1.5% / +14.2% for the approximator / LoRA / full arms, the live ones +2.2% / -11.4% / +1.7%). A second per-arm
-regression (``Lift`` over ``(shadow gain, 1)``, the *live fit*) learns the realised relative gain after each
-publish as ``slope · shadow + bias`` (prior 1 and 0), each outcome weighted by its measured noise (the two live
-windows' standard errors, at least ``live_noise``), and turns shadow gains into live ones. The shadow regression is
-used optimistically (upper confidence bound ``ucb``), so an arm never tried is tried when fresh traffic or drift is
-large enough, and one that disappoints, or stops paying as the drafter saturates, is tried less; an arm whose
-publishes keep realising less than their shadow said stops being chosen once its bias outweighs the gain.
-
-An arm not yet tried starts from what the tried ones showed (their pooled observations and measured seconds per
-step), so one arm's disappointment makes the next arm an exploration, not a sure bet. Exploration is bounded: an
-update whose expected net gain is positive only under the optimistic bound (not under the plain estimate), or that
-rests on the prior alone (no shadow outcome yet, of its own or borrowed), is exploration, and exploration may spend
-at most ``explore_share`` of the tokens served so far (its cost in served tokens forgone); beyond that the bandit
-skips until its estimates, or the served total, say otherwise. Where no update pays, the bandit thus loses at most
-about ``explore_share`` to never updating.
+Pure: no files, no models (the daemon, trainer/adapt/bandit_daemon.py, measures and trains). A candidate's gain is
+predicted from the served version's context (novelty of the replay buffer, drift of live τ) by a per-arm Bayesian
+regression (``Lift``) of shadow gains, used optimistically; a per-arm *live fit* (``Lift`` over ``(shadow gain,
+1)``) learns from realised outcomes what a shadow gain is worth live, because the shadow scores a chain, not the
+served tree. Gains and costs are in served tokens over a horizon; exploration spends at most ``explore_share`` of
+the tokens served. Units, formulas and the measured figures behind the defaults: docs/bandit.md ("The estimates").
 """
 
 from __future__ import annotations
@@ -83,7 +44,7 @@ DEFAULT_ARMS = (
 
 @dataclass(frozen=True)
 class BanditConfig:
-    """Decision parameters; see the module docstring."""
+    """Decision parameters; see docs/bandit.md ("The estimates")."""
 
     horizon_requests: float = 128.0
     window_steps: int = 64
@@ -117,7 +78,7 @@ class BanditConfig:
 
 @dataclass(frozen=True)
 class Context:
-    """What an update's gain is predicted from (see the module docstring)."""
+    """What an update's gain is predicted from (docs/bandit.md, "The estimates")."""
 
     novelty: float
     drift: float
