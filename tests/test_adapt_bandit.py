@@ -42,7 +42,7 @@ from trainer.adapt.bandit_daemon import ALARM_EXIT, BanditDaemon
 from trainer.adapt.journal import StateError
 from trainer.data.features import with_features
 from trainer.snapshots import publish, read_current, read_manifest
-from trainer.training.block_losses import blocks_at, dflash_loss, treeflash_loss
+from trainer.training.blocks import blocks_at, dflash_loss, treeflash_loss
 from trainer.training.dflash import DFlashTraining
 from trainer.training.eagle3 import Eagle3Training
 from trainer.training.eagle3_losses import eagle3_unroll

@@ -33,8 +33,7 @@ from trainer.snapshots import (
     read_manifest,
     tenant_filename,
 )
-from trainer.vlog.schema import request_record, step_record
-from trainer.vlog.segments import stem
+from trainer.vlog.schema import request_record, stem, step_record
 from trainer.vlog.workers import DecodePool
 
 

@@ -18,7 +18,7 @@ from trainer.drafters.dflash import (
     target_layer_ids,
 )
 from trainer.errors import UserError
-from trainer.training.block_batches import block_attention_mask, make_blocks
+from trainer.training.blocks import block_attention_mask, make_blocks
 
 HIDDEN = 32
 BLOCK = 4
@@ -79,7 +79,7 @@ def inputs(batch: int, ctx: int, q: int, seed: int = 1):
 
 
 def packed_layout(anchors: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor):
-    """Positions and mask of the training batch builder (trainer.training.block_batches) for the given anchors."""
+    """Positions and mask of the training batch builder (trainer.training.blocks) for the given anchors."""
     ones = torch.ones_like(doc_ids)
     blocks = make_blocks(ones, ones, position_ids, doc_ids, anchors, anchors >= 0, BLOCK, mask_token_id=0)
     positions = torch.cat([position_ids, blocks.positions.flatten(1)], dim=1)

@@ -22,7 +22,7 @@ from trainer.drafters.dflash import DFlashDraftModel, build_config
 from trainer.errors import UserError
 from trainer.export import speculators as speculators_format
 from trainer.export import write_export
-from trainer.training.block_batches import block_mask_rule, make_blocks
+from trainer.training.blocks import block_mask_rule, make_blocks
 
 BLOCK = 4
 WINDOW = 5
@@ -55,7 +55,7 @@ def drafter(target_dir) -> DFlashDraftModel:
 
 
 def training_forward(drafter, noise, features, position_ids, doc_ids, anchors):
-    """The training forward (block_losses.block_hidden's call) of blocks at ``anchors``. Shape: (1, N·K, H)"""
+    """The training forward (blocks.block_hidden's call) of blocks at ``anchors``. Shape: (1, N·K, H)"""
     ones = torch.ones_like(doc_ids)
     blocks = make_blocks(ones, ones, position_ids, doc_ids, anchors, anchors >= 0, BLOCK, mask_token_id=0)
     positions = torch.cat([position_ids, blocks.positions.flatten(1)], dim=1)

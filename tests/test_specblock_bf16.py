@@ -6,7 +6,7 @@ import types
 
 import torch
 
-from trainer.training.metrics import MetricSums
+from trainer.training.frozen_target import MetricSums
 from trainer.training.specblock import SpecBlockTraining
 from trainer.training.specblock_losses import class_balance_weights
 

@@ -189,7 +189,7 @@ class DFlashDraftModel(SdpaDrafter, Qwen3PreTrainedModel):
         - ``attention_mask``: ``None`` lets every query see every key (inference: one block after its context),
           or a mask (B, 1, Q, P + C + Q) over the P cached and C + Q new keys, additive float (``0`` /
           ``finfo.min``) or boolean (``True`` = may attend), or a :class:`~trainer.drafters.attention.MaskRule`
-          built for ``self.attention`` (training: :func:`trainer.training.block_batches.block_mask_rule`). It is
+          built for ``self.attention`` (training: :func:`trainer.training.blocks.block_mask_rule`). It is
           the full-attention layers' mask; sliding-window layers see its intersection with
           :func:`~trainer.drafters.attention.window_rule`, whose cached keys hold positions ``0..P-1``.
         - ``past_key_values``: a ``DynamicCache`` (built from :attr:`cache_config`) that receives the new context

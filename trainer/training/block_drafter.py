@@ -14,13 +14,12 @@ import torch
 from transformers import PretrainedConfig
 
 from trainer.losses import forward_kl_topk, topk_coverage, tvd_topk
-from trainer.training.block_batches import (
+from trainer.training.blocks import (
     Blocks,
+    block_batch,
     slot_weights,
 )
-from trainer.training.block_losses import block_batch
-from trainer.training.frozen_target import FrozenTargetTraining
-from trainer.training.metrics import show_table
+from trainer.training.frozen_target import FrozenTargetTraining, show_table
 
 
 class BlockDrafterTraining(FrozenTargetTraining):

@@ -16,7 +16,7 @@ from trainer.drafters.dflash import DFlashDraftModel, build_config
 from trainer.errors import UserError
 from trainer.paths import project_path
 from trainer.training.block_drafter import BlockDrafterTraining
-from trainer.training.block_losses import dflash_loss
+from trainer.training.blocks import dflash_loss
 
 
 class DFlashTraining(BlockDrafterTraining):

@@ -39,8 +39,7 @@ from trainer.drafters.eagle3 import Eagle3DraftModel, build_config
 from trainer.errors import UserError
 from trainer.losses import topk_coverage
 from trainer.training.eagle3_losses import TTTStep, eagle3_loss, eagle3_unroll
-from trainer.training.frozen_target import FrozenTargetTraining
-from trainer.training.metrics import show_table
+from trainer.training.frozen_target import FrozenTargetTraining, show_table
 
 
 class Eagle3Training(FrozenTargetTraining):

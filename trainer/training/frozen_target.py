@@ -3,16 +3,23 @@
 A subclass builds its drafter in ``build_drafter``. ``configure_model`` loads the target from its path, checks
 that the drafter fits it and wraps it as a frozen :class:`~trainer.target.Target` that returns the drafter's
 layers; checkpoints hold the drafter only, and the end of fit writes the drafter as an HF directory.
+
+Validation metrics are sums over an epoch (``MetricSums``): a validation step adds its batch's sums (per depth,
+per unrolled step, per (block, slot): any shape, the same every batch); the epoch's means are the sums divided
+by a count that was summed alongside them, and ``show_table`` prints the table a run ends with.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import lightning as L
 import torch
+from rich.console import Console
+from rich.table import Table
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -26,7 +33,6 @@ from trainer.io import write_dir_atomic
 from trainer.optim import adamw_warmup_cosine
 from trainer.paths import project_path
 from trainer.target import Target, decoder_layers, load_causal_lm
-from trainer.training.metrics import MetricSums
 
 
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -54,6 +60,41 @@ def clip_grad_norm_mixed(parameters: list[torch.nn.Parameter], max_norm: float) 
         for g in grads:
             g.mul_(coef)
     return total
+
+
+class MetricSums:
+    """Named sums over one validation epoch, detached and on the CPU."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, sums: Mapping[str, torch.Tensor]) -> None:
+        for key, value in sums.items():
+            value = value.detach().cpu()
+            self.sums[key] = self.sums[key] + value if key in self.sums else value
+
+    def clear(self) -> None:
+        self.sums = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.sums)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.sums[key]
+
+    def mean(self, stat: str, count: str) -> torch.Tensor:
+        """``stat`` per counted item; 0 where ``count`` is 0."""
+        return self.sums[stat] / self.sums[count].clamp(min=1)
+
+
+def show_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
+    """Print a table of already formatted cells on the console."""
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
 
 
 class FrozenTargetTraining(L.LightningModule):

@@ -51,8 +51,7 @@ from transformers import PreTrainedModel
 from trainer.data.features import with_features
 from trainer.drafters.specblock import SpecBlockDraftModel, build_config
 from trainer.errors import UserError
-from trainer.training.frozen_target import FrozenTargetTraining
-from trainer.training.metrics import show_table
+from trainer.training.frozen_target import FrozenTargetTraining, show_table
 from trainer.training.specblock_losses import (
     BlockResult,
     SpecBlockOptions,

@@ -20,7 +20,7 @@ from trainer.drafters.attention import context_rule, launch_rule
 from trainer.drafters.specblock import SpecBlockDraftModel, rank_class, token_rank
 from trainer.losses import draft_teacher, forward_kl_topk, soft_cross_entropy_and_kl, tvd_topk
 from trainer.target import Target
-from trainer.training.block_batches import anchor_generator, sample_anchors
+from trainer.training.blocks import anchor_generator, sample_anchors
 
 
 @dataclass(frozen=True)

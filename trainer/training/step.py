@@ -2,7 +2,7 @@
 
 The adaptation daemons (``trainer adapt bandit``) call these for every family: DFlash, TreeFlash, EAGLE-3 and
 SpecBlock. ``step_loss`` computes the loss with the functions the family's LightningModule's training step calls
-(``dflash_loss``/``treeflash_loss`` in trainer/training/block_losses.py, ``eagle3_loss`` in eagle3_losses.py,
+(``dflash_loss``/``treeflash_loss`` in trainer/training/blocks.py, ``eagle3_loss`` in eagle3_losses.py,
 ``specblock_unroll``/``specblock_losses`` in specblock_losses.py), with the same anchor and launch draws for the
 same ``(seed, step)``, so a step here equals one step of the LightningModule on the same batch. On CPU::
 
@@ -34,8 +34,7 @@ from trainer.drafters.families import family_of
 from trainer.drafters.specblock import SpecBlockDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.target import Target
-from trainer.training.block_batches import slot_weights
-from trainer.training.block_losses import block_batch, blocks_at, dflash_loss, treeflash_loss
+from trainer.training.blocks import block_batch, blocks_at, dflash_loss, slot_weights, treeflash_loss
 from trainer.training.eagle3_losses import eagle3_loss, eagle3_unroll
 from trainer.training.specblock_losses import SpecBlockOptions, context_blocks, specblock_losses, specblock_unroll
 

@@ -20,7 +20,7 @@ from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
 from trainer.paths import project_path
 from trainer.training.block_drafter import BlockDrafterTraining
-from trainer.training.block_losses import treeflash_loss
+from trainer.training.blocks import treeflash_loss
 
 
 class TreeFlashTraining(BlockDrafterTraining):

@@ -16,8 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
-from trainer.vlog.schema import MAX_LINE_BYTES, RecordError, decode
-from trainer.vlog.segments import FINISHED, PART, Segment, list_segments
+from trainer.vlog.schema import FINISHED, MAX_LINE_BYTES, PART, RecordError, Segment, decode, list_segments
 
 
 class Item(NamedTuple):

@@ -1,4 +1,4 @@
-"""Verifier log v1 records: the one validator every reader uses, and constructors for writers.
+"""Verifier log v1: records (the one validator every reader uses, and constructors for writers) and segment names.
 
 The format is described in docs/verifier_log.md. A record is a JSON object; ``validate`` returns it unchanged
 when it is a well-formed v1 record and raises ``RecordError`` naming the first field that is not. Checks run
@@ -11,14 +11,22 @@ compares them)::
     python -c "from trainer.vlog.schema import request_record, validate; \\
         print(validate(request_record(server='s', request='r', tenant=None, shareable=True, \\
         prompt_ids=[1, 2], output_ids=[3]), vocab_size=8192))"
+
+A log directory holds segment files ``{prefix}-{seq:06d}-{unix_ms}.jsonl`` once finished, with ``.part``
+appended while a writer appends to it. The stem (the name without either suffix) survives the finishing rename,
+so readers key their offsets by it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import re
+from dataclasses import dataclass
 from itertools import chain
 from operator import lt
+from pathlib import Path
 from types import NoneType
 
 import numpy as np
@@ -408,3 +416,50 @@ def request_record(
     if prefill_topk_ids is not None:
         record["prefill_topk_ids"] = prefill_topk_ids
     return record
+
+
+# ---- segment files ----------------------------------------------------------------------------------------
+PREFIX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_NAME = re.compile(
+    r"(?P<stem>(?P<prefix>[A-Za-z0-9_][A-Za-z0-9_.-]*)-(?P<seq>\d{6,})-(?P<ms>\d+))\.jsonl(?P<part>\.part)?"
+)
+FINISHED = ".jsonl"
+PART = ".jsonl.part"
+
+
+@dataclass(frozen=True)
+class Segment:
+    stem: str
+    prefix: str
+    seq: int
+    unix_ms: int
+    finished: bool
+
+    @property
+    def name(self) -> str:
+        return self.stem + (FINISHED if self.finished else PART)
+
+
+def stem(prefix: str, seq: int, unix_ms: int) -> str:
+    return f"{prefix}-{seq:06d}-{unix_ms}"
+
+
+def parse(name: str) -> Segment | None:
+    """The segment a file name denotes, or None for any other file (hidden files, state, quarantine)."""
+    m = _NAME.fullmatch(name)
+    if m is None:
+        return None
+    return Segment(m["stem"], m["prefix"], int(m["seq"]), int(m["ms"]), m["part"] is None)
+
+
+def list_segments(directory: Path) -> list[Segment]:
+    """Segments in ``directory`` ordered by creation time (writers keep ``unix_ms`` non-decreasing per prefix,
+    so each writer's segments stay in sequence). A segment listed under both names while it is being renamed
+    appears once, as finished."""
+    found: dict[str, Segment] = {}
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            segment = parse(entry.name)
+            if segment is not None and (segment.stem not in found or segment.finished):
+                found[segment.stem] = segment
+    return sorted(found.values(), key=lambda s: (s.unix_ms, s.prefix, s.seq))

@@ -42,8 +42,7 @@ import orjson
 
 from trainer.errors import UserError
 from trainer.io import fsync
-from trainer.vlog.schema import MAX_LINE_BYTES, RecordError, validate
-from trainer.vlog.segments import FINISHED, PART, PREFIX, list_segments, stem
+from trainer.vlog.schema import FINISHED, MAX_LINE_BYTES, PART, PREFIX, RecordError, list_segments, stem, validate
 
 Record = dict | Callable[[], dict]
 # With ``check_every`` > 1, the records validated before sampling starts.

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.errors import UserError
-from trainer.vlog.schema import MIN_TOPK
-from trainer.vlog.segments import PREFIX
+from trainer.vlog.schema import MIN_TOPK, PREFIX
 
 ENV = {
     "log_dir": "TRAINER_VLLM_LOG_DIR",

@@ -3,7 +3,7 @@ import math
 import torch
 
 from trainer.losses import forward_kl_topk, topk_coverage, tvd_topk, weighted_slot_mean
-from trainer.training.block_batches import (
+from trainer.training.blocks import (
     anchor_candidates,
     block_attention_mask,
     make_blocks,
