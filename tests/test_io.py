@@ -1,4 +1,4 @@
-"""Atomic writes (trainer.io), the additive mask (trainer.masks) and the nucleus filter (trainer.sampling).
+"""Atomic writes (trainer.io), the additive mask (trainer.drafters.attention) and the nucleus filter (trainer.sampling).
 
 PYTHONPATH=$PWD python -m pytest tests/test_io.py -q
 """
@@ -6,8 +6,8 @@ PYTHONPATH=$PWD python -m pytest tests/test_io.py -q
 import pytest
 import torch
 
+from trainer.drafters.attention import additive_mask
 from trainer.io import atomic_path, partial_path, swap_in, write_dir_atomic, write_text_atomic
-from trainer.masks import additive_mask
 from trainer.sampling import nucleus
 
 

@@ -86,7 +86,7 @@ def test_grouped_sdpa_verifies_a_tree_as_sdpa_does_without_copying_the_cache(tin
     from transformers import DynamicCache
     from transformers.integrations import sdpa_attention
 
-    from trainer.masks import additive_mask
+    from trainer.drafters.attention import additive_mask
     from trainer.target import GROUPED_SDPA
 
     copies = []

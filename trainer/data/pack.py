@@ -15,9 +15,8 @@ from typing import Any
 import torch
 
 from trainer.data.render import Rendered
-from trainer.drafters.attention import packed_causal_rule
+from trainer.drafters.attention import additive_mask, packed_causal_rule
 from trainer.errors import UserError
-from trainer.masks import additive_mask
 
 
 @dataclass

@@ -66,7 +66,7 @@ from trainer.decoding.drafting import (
 from trainer.decoding.events import Clock, Step, StepEvent, event_of, step_of
 from trainer.decoding.options import TreeOptions
 from trainer.decoding.verify import GREEDY, Sampling, cache_kwarg, verify_tree
-from trainer.masks import additive_mask
+from trainer.drafters.attention import additive_mask
 from trainer.target import capture_layers, layer_features
 
 LOG = logging.getLogger("trainer.decoding")

@@ -28,12 +28,12 @@ from transformers import DynamicCache, PreTrainedModel
 
 from trainer.decoding.tree import Transitions, Tree
 from trainer.decoding.verify import growing_cache
+from trainer.drafters.attention import additive_mask
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.drafters.specblock import SpecBlockDraftModel, launch_mask
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
-from trainer.masks import additive_mask
 from trainer.sampling import top_rows
 
 

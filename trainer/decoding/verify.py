@@ -21,7 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from trainer.decoding.tree import Tree
-from trainer.masks import additive_mask
+from trainer.drafters.attention import additive_mask
 from trainer.sampling import draw, nucleus, top_rows
 
 

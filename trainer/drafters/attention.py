@@ -33,7 +33,20 @@ from torch.nn import functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from trainer.errors import UserError
-from trainer.masks import additive_mask
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = may attend) as an additive mask in ``dtype``: ``0`` where a query may attend a key,
+    ``finfo(dtype).min`` where it may not. A float mask is already additive and only moved into ``dtype``'s range
+    (``finfo(float32).min`` would overflow to -inf in float16). Shape: any → the same.
+
+    HF attention adds a float mask to the scores, and a boolean one is silently wrong with eager attention (which
+    adds it), so every mask of the package (packed samples, training blocks, the training-time test, draft and
+    verification trees) is built as a boolean "allowed" tensor and turned into this form here."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    return mask.to(dtype).clamp_min(torch.finfo(dtype).min)
+
 
 AttentionPath = Literal["auto", "flex", "dense"]
 ATTENTION_PATHS: tuple[str, ...] = get_args(AttentionPath)

@@ -44,10 +44,9 @@ from transformers import PretrainedConfig, Qwen3Config
 from transformers.cache_utils import Cache
 from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from trainer.drafters.attention import MaskRule, as_rule, window_rule
+from trainer.drafters.attention import MaskRule, additive_mask, as_rule, window_rule
 from trainer.drafters.common import DrafterDecoderLayer, SdpaDrafter, drafter_config, valid_layer_ids
 from trainer.errors import UserError
-from trainer.masks import additive_mask
 
 DEFAULT_BLOCK_SIZE = 16
 

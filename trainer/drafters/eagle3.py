@@ -60,10 +60,9 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from trainer.drafters.attention import MaskRule, attend
+from trainer.drafters.attention import MaskRule, additive_mask, attend
 from trainer.drafters.common import DraftVocabHead, SdpaDrafter, drafter_config, valid_layer_ids
 from trainer.errors import UserError
-from trainer.masks import additive_mask
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 

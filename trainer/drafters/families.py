@@ -5,6 +5,7 @@ drafting session (``trainer.decoding.builders.SESSIONS``), the training step's l
 (``trainer.training.step.STEPS``), the update options of the bandit (``trainer.adapt.bandit_daemon``), the export
 formats (each format module's ``ACCEPTS``). This registry holds only what the drafter classes define, so it
 imports nothing above ``trainer.drafters``; tests/test_families.py checks that every table names every family.
+``load_drafter`` loads any family's drafter from an HF directory by the ``architectures`` its config names.
 On CPU::
 
     python -c "from trainer.drafters import load_drafter; from trainer.drafters.families import family_of; \\
@@ -13,8 +14,12 @@ On CPU::
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+import torch
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -24,6 +29,8 @@ from trainer.drafters.eagle3 import ARCHITECTURE as EAGLE3_ARCHITECTURE
 from trainer.drafters.eagle3 import Eagle3DecoderLayer, Eagle3DraftModel
 from trainer.drafters.specblock import SpecBlockDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
+from trainer.errors import UserError
+from trainer.paths import project_path
 
 
 @dataclass(frozen=True)
@@ -84,3 +91,30 @@ def family_of(drafter: nn.Module | type) -> Family:
         if klass in _BY_CLASS:
             return _BY_CLASS[klass]
     raise TypeError(f"a {cls.__name__} is no drafter of a known family ({', '.join(FAMILIES)})")
+
+
+# The ``architectures`` name a saved config.json carries → the class that loads it.
+DRAFTER_CLASSES: dict[str, type[PreTrainedModel]] = {f.architecture: f.cls for f in FAMILIES.values()}
+
+
+def drafter_class(architectures: Sequence[str], where: object) -> type[PreTrainedModel]:
+    """The drafter class of a config's ``architectures``; ``where`` (a file) names the config in the error.
+
+    A class's own name counts too: ``save_pretrained`` writes it into the in-memory config, which is what a
+    training checkpoint records (EAGLE-3's file carries SGLang's name instead)."""
+    by_name = {**{c.__name__: c for c in DRAFTER_CLASSES.values()}, **DRAFTER_CLASSES}
+    for name in architectures:
+        if name in by_name:
+            return by_name[name]
+    raise UserError(f"{where}: architectures {list(architectures)} name no drafter ({sorted(DRAFTER_CLASSES)})")
+
+
+def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A DFlash, TreeFlash, EAGLE-3 or SpecBlock drafter from an HF directory (a shipped one from any
+    directory, ``trainer.paths``), by its ``architectures``."""
+    path = project_path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"no drafter at {path}: {config_file} does not exist")
+    architectures = json.loads(config_file.read_text()).get("architectures") or []
+    return drafter_class(architectures, config_file).from_pretrained(path, dtype=dtype).eval()

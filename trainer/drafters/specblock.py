@@ -20,7 +20,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from trainer.drafters.attention import MaskRule, context_rule, launch_rule
+from trainer.drafters.attention import MaskRule, additive_mask, context_rule, launch_rule
 from trainer.drafters.common import (
     DrafterDecoderLayer,
     DraftVocabHead,
@@ -29,7 +29,6 @@ from trainer.drafters.common import (
     valid_layer_ids,
 )
 from trainer.errors import UserError
-from trainer.masks import additive_mask
 
 DEFAULT_BLOCK_SIZE = 4
 # Upper ranks of the rank classes but the last: class 0 = rank 1, 1 = ranks 2-4, 2 = ranks 5-10, 3 = above 10.

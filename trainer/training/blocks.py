@@ -19,11 +19,10 @@ from typing import Literal, NamedTuple
 import torch
 
 from trainer.data.features import teacher_at, with_features
-from trainer.drafters.attention import MaskRule, block_rule
+from trainer.drafters.attention import MaskRule, additive_mask, block_rule
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.losses import cross_entropy, forward_kl_topk, weighted_slot_mean
-from trainer.masks import additive_mask
 from trainer.target import Target
 
 

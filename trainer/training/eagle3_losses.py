@@ -14,10 +14,9 @@ from typing import NamedTuple
 import torch
 
 from trainer.data.features import teacher_at
-from trainer.drafters.attention import MaskRule, packed_causal_rule
+from trainer.drafters.attention import MaskRule, additive_mask, packed_causal_rule
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.losses import draft_teacher, soft_cross_entropy_and_kl
-from trainer.masks import additive_mask
 from trainer.target import Target
 
 
