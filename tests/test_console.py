@@ -6,7 +6,7 @@ from types import SimpleNamespace
 from conftest import TINY_TARGET
 from transformers import AutoTokenizer
 
-from trainer.console import StepProgressBar
+from trainer.cli import StepProgressBar
 from trainer.data.render import render_chat, render_text
 
 TOO_LONG = "sequence-length-is-longer-than-the-specified-maximum"

@@ -2,12 +2,14 @@
 
 Built on LightningCLI, so the recipe is a LightningCLI config whose schema is the typed signatures of the
 trainer, the LightningModule and the DataModule. Recipes and overrides are checked before anything is built;
-a mistake prints one screen that names the recipe file, the key, and the closest valid key, and exits 2.
+a mistake prints one screen that names the recipe file, the key, and the closest valid key, and exits 2. A run
+prints only what a user should read (``quiet_libraries``, ``StepProgressBar``).
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 import sys
 import warnings
@@ -16,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from rich.console import Console
+from transformers.utils import logging as hf_logging
 
-from trainer.console import StepProgressBar, quiet_libraries
 from trainer.data.prepare import data_tokenizer
 from trainer.errors import UserError
 from trainer.recipes import (
@@ -57,6 +60,37 @@ A bare recipe name is looked up in ./recipes and in the package's recipes/ (.yam
 Overrides use the recipe's dotted keys: --trainer.max_steps 20 --model.lr 1e-3 --data.batch_size 4.
 recipes: {recipes}
 """
+
+
+def quiet_libraries() -> None:
+    """Silence what other libraries print and we cannot change at its source, each with the one line that says
+    why it is harmless (messages of our own are fixed where they arise); every command calls this once."""
+    # The frozen target is in eval mode on purpose (it never trains; dropout stays off): Lightning counts its
+    # modules and warns at every fit start.
+    warnings.filterwarnings("ignore", r"Found \d+ module\(s\) in eval mode", PossibleUserWarning)
+    # Lightning's own pytree helper calls torch's deprecated LeafSpec check; inside Lightning, no effect on us.
+    warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # transformers draws a bar per checkpoint load and save; the tiny checkpoints take a blink, and the run's
+    # own progress bar reports the run.
+    hf_logging.disable_progress_bar()
+    # Lightning advertises its cloud logger at every fit start: nothing for a user of this toolkit to act on.
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_not_an_advert)
+
+
+def _not_an_advert(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("💡 Tip")
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, whose title reads "Epoch 0/-2" in a run bounded by steps (Lightning sets
+    ``max_epochs = -1`` there); such a run's title is the epoch alone."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        description = super()._get_train_description(current_epoch)
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is not None and max_epochs < 0:
+            description = description.replace(f"/{max_epochs - 1}", "", 1).ljust(len(description))
+        return description
 
 
 class TrainerCLI(LightningCLI):

@@ -1,24 +1,22 @@
 """What DFlash and TreeFlash training share beyond the frozen target: block batches, the block forward, metrics.
 
-A subclass builds its drafter in ``build_drafter`` and defines the steps and its ``depth_names``. The
-target runs inside the step when the batch comes without features (online) and is skipped when the batch
+A subclass builds its drafter in ``build_drafter`` and defines the steps and its ``depth_names``; the block
+forward runs the family's core (``trainer.drafters.families``: the DFlash drafter, or TreeFlash's backbone).
+The target runs inside the step when the batch comes without features (online) and is skipped when the batch
 was read from a feature cache (offline); its embedding and LM head are used either way.
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 
+from trainer.drafters.dflash import DFlashDraftModel
+from trainer.drafters.families import family_of
 from trainer.losses import forward_kl_topk, topk_coverage, tvd_topk
-from trainer.training.blocks import (
-    Blocks,
-    block_batch,
-    slot_weights,
-)
+from trainer.training.blocks import Blocks, block_batch, slot_weights
 from trainer.training.frozen_target import FrozenTargetTraining, show_table
 
 
@@ -40,9 +38,9 @@ class BlockDrafterTraining(FrozenTargetTraining):
         self.seed = seed
 
     @property
-    @abstractmethod
-    def dflash(self) -> torch.nn.Module:
-        """The module with the DFlash forward signature (the drafter itself, or its backbone)."""
+    def dflash(self) -> DFlashDraftModel:
+        """The module with the DFlash forward signature: the family's core (a DFlash drafter, TreeFlash's backbone)."""
+        return family_of(self.drafter).core(self.drafter)
 
     def fit_problems(self, target: PretrainedConfig) -> list[str]:
         problems = super().fit_problems(target)

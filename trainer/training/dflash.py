@@ -73,10 +73,6 @@ class DFlashTraining(BlockDrafterTraining):
         config = build_config(target.config, self.num_layers, self.block_size, mask_id, **overrides)
         return DFlashDraftModel(config)
 
-    @property
-    def dflash(self) -> DFlashDraftModel:
-        return self.drafter
-
     def _slot_losses(self, batch):
         batch, blocks = self._blocks(batch)
         loss, logits, t_ids, t_lp = dflash_loss(

@@ -61,14 +61,6 @@ class TreeFlashTraining(BlockDrafterTraining):
         model.model.requires_grad_(not self.freeze_backbone)
         return model
 
-    @property
-    def layer_ids(self) -> list[int]:
-        return list(self.drafter.model.target_layer_ids)
-
-    @property
-    def dflash(self) -> DFlashDraftModel:
-        return self.drafter.model
-
     def _forward(self, batch):
         batch, blocks = self._blocks(batch)
         loss, normed, corrected, t_ids, t_lp = treeflash_loss(
