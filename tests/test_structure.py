@@ -1,9 +1,11 @@
-"""The import rules of docs/design.md, read from the source by AST (imports inside functions included).
+"""The import rules of docs/design.md and its four reading paths, read from the source by AST (imports inside
+functions included).
 
 PYTHONPATH=$PWD python -m pytest tests/test_structure.py -q
 """
 
 import ast
+import re
 import subprocess
 import sys
 
@@ -199,3 +201,57 @@ def test_lightning_stays_out_transitively():
     code += "assert not loaded, loaded[:5]\n"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+# ---- docs/design.md, "Four paths through the code" ------------------------------------------------------------
+STEP = re.compile(r"(\d+)\. `(trainer/[\w/]+\.py)` `([\w.]+)`(.*)")
+HEADING = re.compile(r"\*\*(.+)\*\* \((\d+) files, (\d+) with side trips\)")
+
+
+def reading_paths(text: str) -> dict[str, tuple[tuple[int, int], list[tuple[str, str, str]]]]:
+    """Path title -> ((files, files with side trips) as its heading states, [(file, qualname, step text)])."""
+    section = text.split("## Four paths through the code", 1)[1].split("\n## ", 1)[0]
+    paths: dict = {}
+    steps: list = []
+    for line in section.splitlines():
+        if heading := HEADING.fullmatch(line):
+            steps = []
+            paths[heading[1]] = ((int(heading[2]), int(heading[3])), steps)
+        elif step := STEP.fullmatch(line):
+            assert int(step[1]) == len(steps) + 1, f"{line}: steps are numbered in order"
+            steps.append((step[2], step[3], step[4]))
+        elif line.startswith("   ") and steps:
+            file, name, text = steps[-1]
+            steps[-1] = (file, name, f"{text} {line.strip()}")
+    return paths
+
+
+def definition(file: str, qualname: str) -> ast.AST:
+    """The class or function ``qualname`` (``Class.method`` or a top-level name) of ``file``."""
+    body = ast.parse((ROOT / file).read_text()).body
+    for part in qualname.split("."):
+        found = [n for n in body if isinstance(n, ast.ClassDef | ast.FunctionDef) and n.name == part]
+        assert found, f"{file} defines no {qualname}"
+        body = found[0].body
+    return found[0]
+
+
+def names_in(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+    }
+
+
+def test_the_reading_paths_name_real_functions_and_real_calls():
+    paths = reading_paths((ROOT / "docs" / "design.md").read_text())
+    assert len(paths) == 4
+    for title, ((files, with_side_trips), steps) in paths.items():
+        step_files = {file for file, _, _ in steps}
+        side_trips = {f for _, _, text in steps for f in re.findall(r"`(trainer/[\w/]+\.py)`", text)}
+        assert (len(step_files), len(step_files | side_trips)) == (files, with_side_trips), title
+        assert all((ROOT / f).is_file() for f in side_trips), title
+        for i, (file, name, text) in enumerate(steps):
+            node = definition(file, name)
+            if i + 1 < len(steps) and not text.endswith("⇢"):
+                after = steps[i + 1][1]
+                assert after.split(".")[-1] in names_in(node), f"{title}: {file} {name} does not call {after}"
