@@ -33,7 +33,7 @@ from trainer.snapshots import (
     read_manifest,
     tenant_filename,
 )
-from trainer.vlog.schema import request_record, stem, step_record
+from trainer.vlog.schema import request_record, segment_stem, step_record
 from trainer.vlog.workers import DecodePool
 
 
@@ -331,7 +331,7 @@ def step(rng, server="r0", tenant=None, shareable=True, n=6, root=None, tokens=N
 
 def write_segment(directory, prefix, seq, lines, part=False):
     directory.mkdir(parents=True, exist_ok=True)
-    name = stem(prefix, seq, 1000 + seq) + (".jsonl.part" if part else ".jsonl")
+    name = segment_stem(prefix, seq, 1000 + seq) + (".jsonl.part" if part else ".jsonl")
     text = "".join(line if isinstance(line, str) else json.dumps(line) + "\n" for line in lines)
     (directory / name).write_text(text)
     return directory / name
@@ -377,7 +377,8 @@ def test_once_builds_rows_from_nodes_and_prompts(tmp_path, target, capsys):
     assert (m[402] == -1).all()
     manifest = read_manifest(read_current(pub)[1])
     assert manifest["version"] == 1 and manifest["parent"] is None
-    assert manifest["files"] == {stem("r0", 0, 1000): (logs / f"{stem('r0', 0, 1000)}.jsonl").stat().st_size}
+    first = segment_stem("r0", 0, 1000)
+    assert manifest["files"] == {first: (logs / f"{first}.jsonl").stat().st_size}
     metrics = json.loads((pub / ".state" / METRICS).read_text())
     assert (metrics["lines"], metrics["records"], metrics["nodes"], metrics["version"]) == (3, 3, 3, 1)
     assert "records/s" in capsys.readouterr().out

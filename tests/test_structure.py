@@ -236,9 +236,16 @@ def definition(file: str, qualname: str) -> ast.AST:
     return found[0]
 
 
-def names_in(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
-        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+def calls(node: ast.AST, name: str) -> bool:
+    """Whether ``node``'s source reaches ``name``: by name or attribute, ``__iter__`` through ``iter``, and
+    ``__call__`` as a call on the result of a call (``make(...)(x)``)."""
+    nodes = list(ast.walk(node))
+    if name == "__call__":
+        return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Call) for n in nodes)
+    if name == "__iter__":
+        name = "iter"
+    return name in {n.id for n in nodes if isinstance(n, ast.Name)} | {
+        n.attr for n in nodes if isinstance(n, ast.Attribute)
     }
 
 
@@ -254,4 +261,4 @@ def test_the_reading_paths_name_real_functions_and_real_calls():
             node = definition(file, name)
             if i + 1 < len(steps) and not text.endswith("⇢"):
                 after = steps[i + 1][1]
-                assert after.split(".")[-1] in names_in(node), f"{title}: {file} {name} does not call {after}"
+                assert calls(node, after.split(".")[-1]), f"{title}: {file} {name} does not call {after}"

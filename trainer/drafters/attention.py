@@ -14,7 +14,8 @@ per-row tensors. A rule runs one of two ways (:data:`AttentionPath`):
 
 ``auto`` (the default) is ``flex`` on CUDA and ``dense`` elsewhere: torch's flex attention has no backward on
 CPU, and uncompiled it materialises the scores anyway. Decoding passes small explicit masks (or none) and
-always runs SDPA.
+always runs SDPA. Every boolean mask of the package (training, decoding, packing) reaches HF attention in the
+additive form ``additive_mask`` gives it.
 
 On CPU::
 

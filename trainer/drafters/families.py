@@ -3,9 +3,9 @@
 A family's behaviour elsewhere lives in the package that owns it, in one table keyed by ``Family.name``: the
 drafting session (``trainer.decoding.builders.SESSIONS``), the training step's loss, depth and chain logits
 (``trainer.training.step.STEPS``), the update options of the bandit (``trainer.adapt.bandit_daemon``), the export
-formats (each format module's ``ACCEPTS``). This registry holds only what the drafter classes define, so it
-imports nothing above ``trainer.drafters``; tests/test_families.py checks that every table names every family.
-``load_drafter`` loads any family's drafter from an HF directory by the ``architectures`` its config names.
+formats (each format module's ``ACCEPTS``). This registry holds what the drafter classes define, and
+``load_drafter``, which picks the class of an HF directory by the ``architectures`` its config names; it imports
+nothing above ``trainer.drafters``. tests/test_families.py checks that every table names every family.
 On CPU::
 
     python -c "from trainer.drafters import load_drafter; from trainer.drafters.families import family_of; \\

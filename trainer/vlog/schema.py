@@ -440,11 +440,11 @@ class Segment:
         return self.stem + (FINISHED if self.finished else PART)
 
 
-def stem(prefix: str, seq: int, unix_ms: int) -> str:
+def segment_stem(prefix: str, seq: int, unix_ms: int) -> str:
     return f"{prefix}-{seq:06d}-{unix_ms}"
 
 
-def parse(name: str) -> Segment | None:
+def parse_segment(name: str) -> Segment | None:
     """The segment a file name denotes, or None for any other file (hidden files, state, quarantine)."""
     m = _NAME.fullmatch(name)
     if m is None:
@@ -459,7 +459,7 @@ def list_segments(directory: Path) -> list[Segment]:
     found: dict[str, Segment] = {}
     with os.scandir(directory) as entries:
         for entry in entries:
-            segment = parse(entry.name)
+            segment = parse_segment(entry.name)
             if segment is not None and (segment.stem not in found or segment.finished):
                 found[segment.stem] = segment
     return sorted(found.values(), key=lambda s: (s.unix_ms, s.prefix, s.seq))

@@ -42,7 +42,16 @@ import orjson
 
 from trainer.errors import UserError
 from trainer.io import fsync
-from trainer.vlog.schema import FINISHED, MAX_LINE_BYTES, PART, PREFIX, RecordError, list_segments, stem, validate
+from trainer.vlog.schema import (
+    FINISHED,
+    MAX_LINE_BYTES,
+    PART,
+    PREFIX,
+    RecordError,
+    list_segments,
+    segment_stem,
+    validate,
+)
 
 Record = dict | Callable[[], dict]
 # With ``check_every`` > 1, the records validated before sampling starts.
@@ -215,7 +224,7 @@ class LogWriter:
     def _open(self) -> None:
         # unix_ms never decreases per prefix, so readers' creation-time order keeps this writer's sequence.
         self._last_ms = max(self._last_ms, int(time.time() * 1000))
-        self._stem = stem(self.prefix, self._seq, self._last_ms)
+        self._stem = segment_stem(self.prefix, self._seq, self._last_ms)
         self._seq += 1
         self._file = open(self.directory / (self._stem + PART), "xb", buffering=1 << 16)  # noqa: SIM115
         self._opened = time.monotonic()
