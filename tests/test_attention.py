@@ -24,10 +24,11 @@ from trainer.drafters.attention import (
 )
 from trainer.drafters.common import SdpaDrafter
 from trainer.drafters.dflash import DFlashDraftModel
+from trainer.drafters.families import family_of
 from trainer.errors import UserError
 from trainer.paths import project_path
 from trainer.target import Target, load_causal_lm
-from trainer.training.step import context_batch, default_options, step_loss, target_layer_ids
+from trainer.training.step import context_batch, default_options, step_loss
 
 # "+sliding": the shipped DFlash backbone with its first layer a sliding-window one (window 8).
 FAMILIES = ("dflash_tiny", "dflash_tiny+sliding", "treeflash_tiny", "specblock_tiny", "eagle3_tiny")
@@ -72,7 +73,7 @@ def test_flex_loss_and_gradients_equal_dense(name, target_model, monkeypatch):
         sliding = DFlashDraftModel(config).train()
         sliding.load_state_dict(drafter.state_dict())
         drafter = sliding
-    target = Target(target_model, target_layer_ids(drafter))
+    target = Target(target_model, family_of(drafter).target_layer_ids(drafter))
     batch = batch_of(target_model.config.vocab_size)
     options = default_options(drafter)
 

@@ -15,7 +15,7 @@ from transformers import DynamicCache, Qwen3Config
 from trainer.drafters.dflash import (
     DFlashDraftModel,
     build_config,
-    target_layer_ids,
+    default_target_layer_ids,
 )
 from trainer.errors import UserError
 from trainer.training.blocks import block_attention_mask, make_blocks
@@ -189,10 +189,10 @@ def test_save_load_round_trip(drafter, tmp_path):
 
 
 def test_target_layer_ids_rule(target_config):
-    assert target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
-    assert target_layer_ids(36, 1) == [18]
-    assert target_layer_ids(8, 2) == LAYER_IDS
-    assert target_layer_ids(8, 3) == [1, 3, 5]
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(8, 2) == LAYER_IDS
+    assert default_target_layer_ids(8, 3) == [1, 3, 5]
 
     config = build_config(target_config, num_layers=3, block_size=16, mask_token_id=MASK_ID)
     assert config.dflash_config["target_layer_ids"] == [1, 3, 5]

@@ -94,7 +94,6 @@ from trainer.training.step import (
     chain_depth,
     chain_logits,
     context_batch,
-    target_layer_ids,
     train_step,
 )
 from trainer.vlog.reader import LogReader
@@ -248,7 +247,7 @@ class BanditDaemon:
             self.arms = tuple(a for a in arms if a.params != "approx" or has_approx)
             for arm in self.arms:
                 self.state.arms.setdefault(arm.name, ArmStats.fresh(config).to_json())
-            self.target = Target(model, target_layer_ids(self.drafter))
+            self.target = Target(model, family_of(self.drafter).target_layer_ids(self.drafter))
             truncate_to(self.state_dir / QUARANTINE, self.state.quarantine_bytes)
             truncate_to(self.state_dir / DECISIONS, self.state.decisions_bytes)
             self.reader = LogReader(self.logs, self.state.offsets, vocab_size=self.vocab_size)

@@ -51,7 +51,7 @@ from trainer.errors import UserError
 DEFAULT_BLOCK_SIZE = 16
 
 
-def target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The target layers whose outputs feed the drafter: one per drafter layer, spread over the target's depth.
 
     One drafter layer reads the middle layer; more read ``round(1 + i * (L - 4) / (n - 1))``, i.e. evenly from
@@ -60,7 +60,7 @@ def target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]
     """
     if num_target_layers < 1 or num_draft_layers < 1:
         raise UserError(
-            f"target_layer_ids needs at least one target and one drafter layer, got {num_target_layers} target "
+            f"default_target_layer_ids needs at least one target and one drafter layer, got {num_target_layers} target "
             f"and {num_draft_layers} drafter layers"
         )
     if num_draft_layers == 1:
@@ -68,9 +68,6 @@ def target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]
     span = num_target_layers - 4
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
-
-# build_config's argument `target_layer_ids` shadows the function of that name inside it.
-_spread_target_layer_ids = target_layer_ids
 
 
 def build_config(
@@ -85,7 +82,7 @@ def build_config(
 
     The drafter's hidden size must equal the target's, because its inputs are the target's input embeddings
     and its outputs go through the target's LM head; every other field (e.g. ``intermediate_size``) may be
-    overridden. ``target_layer_ids`` defaults to the spread rule of :func:`target_layer_ids`.
+    overridden. ``target_layer_ids`` defaults to the spread rule of :func:`default_target_layer_ids`.
     """
     text = target_config.get_text_config()
     num_target_layers = text.num_hidden_layers
@@ -96,7 +93,7 @@ def build_config(
     if not 0 <= mask_token_id < text.vocab_size:
         raise UserError(f"mask_token_id {mask_token_id} is outside the target vocabulary 0..{text.vocab_size - 1}")
     if target_layer_ids is None:
-        target_layer_ids = _spread_target_layer_ids(num_target_layers, num_layers)
+        target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
     fields = {
         # The reference format: top-level block size and target depth, the rest under `dflash_config`.
         "block_size": block_size,
@@ -152,7 +149,7 @@ class DFlashDraftModel(SdpaDrafter, Qwen3PreTrainedModel):
             _dflash_field(
                 config,
                 "target_layer_ids",
-                _spread_target_layer_ids(config.num_target_layers, config.num_hidden_layers),
+                default_target_layer_ids(config.num_target_layers, config.num_hidden_layers),
             )
         )
         self.block_size = int(_dflash_field(config, "block_size", DEFAULT_BLOCK_SIZE))

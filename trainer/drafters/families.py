@@ -55,6 +55,10 @@ class Family:
         """The module that reads the target: the backbone, or the drafter itself."""
         return getattr(drafter, self.backbone) if self.backbone else drafter
 
+    def target_layer_ids(self, drafter: nn.Module) -> list[int]:
+        """The target layers whose hidden states the drafter reads (its core's; HF ``hidden_states[l + 1]``)."""
+        return list(self.core(drafter).target_layer_ids)
+
     def with_core(self, drafter: nn.Module, core: nn.Module) -> nn.Module:
         """``drafter`` with its core replaced by ``core`` (e.g. a LoRA-merged copy); returns the drafter."""
         if self.backbone is None:

@@ -211,7 +211,7 @@ class FrozenTargetTraining(L.LightningModule):
     @property
     def layer_ids(self) -> list[int]:
         """Target layer ids the drafter reads (HF ``hidden_states[l + 1]``), from the family's core."""
-        return list(family_of(self.drafter).core(self.drafter).target_layer_ids)
+        return family_of(self.drafter).target_layer_ids(self.drafter)
 
     def load_drafter(self, model_class: type[PreTrainedModel], init_from: str) -> PreTrainedModel:
         """The ``model_class`` drafter saved at ``init_from``, in float32."""

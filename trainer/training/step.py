@@ -6,7 +6,7 @@ SpecBlock. ``step_loss`` computes the loss with the functions the family's Light
 ``specblock_unroll``/``specblock_losses`` in specblock_losses.py), with the same anchor and launch draws for the
 same ``(seed, step)``, so a step here equals one step of the LightningModule on the same batch. On CPU::
 
-    target = Target(load_causal_lm("checkpoints/target_tiny"), target_layer_ids(drafter))
+    target = Target(load_causal_lm("checkpoints/target_tiny"), family_of(drafter).target_layer_ids(drafter))
     batch = context_batch([ids], [len(prompt)], pad_id=0)
     loss = train_step(drafter, target, batch, torch.optim.AdamW(params, 1e-4), step=0)
 
@@ -80,11 +80,6 @@ StepOptions = BlockStepOptions | Eagle3StepOptions | SpecBlockStepOptions
 def default_options(drafter: Drafter) -> StepOptions:
     """The options of ``drafter``'s family with the LightningModule's defaults."""
     return STEPS[family_of(drafter).name].options()
-
-
-def target_layer_ids(drafter: Drafter) -> list[int]:
-    """The target layers whose hidden states the drafter reads."""
-    return list(family_of(drafter).core(drafter).target_layer_ids)
 
 
 def context_batch(
