@@ -69,7 +69,6 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
-
 def build_config(
     target_config: PretrainedConfig,
     num_layers: int,

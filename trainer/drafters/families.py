@@ -99,6 +99,8 @@ def family_of(drafter: nn.Module | type) -> Family:
 
 # The ``architectures`` name a saved config.json carries → the class that loads it.
 DRAFTER_CLASSES: dict[str, type[PreTrainedModel]] = {f.architecture: f.cls for f in FAMILIES.values()}
+# What ``drafter_class`` accepts: those names and each class's own (see there).
+_BY_NAME = {**{c.__name__: c for c in DRAFTER_CLASSES.values()}, **DRAFTER_CLASSES}
 
 
 def drafter_class(architectures: Sequence[str], where: object) -> type[PreTrainedModel]:
@@ -106,10 +108,9 @@ def drafter_class(architectures: Sequence[str], where: object) -> type[PreTraine
 
     A class's own name counts too: ``save_pretrained`` writes it into the in-memory config, which is what a
     training checkpoint records (EAGLE-3's file carries SGLang's name instead)."""
-    by_name = {**{c.__name__: c for c in DRAFTER_CLASSES.values()}, **DRAFTER_CLASSES}
     for name in architectures:
-        if name in by_name:
-            return by_name[name]
+        if name in _BY_NAME:
+            return _BY_NAME[name]
     raise UserError(f"{where}: architectures {list(architectures)} name no drafter ({sorted(DRAFTER_CLASSES)})")
 
 

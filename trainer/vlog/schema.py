@@ -420,11 +420,9 @@ def request_record(
 
 # ---- segment files ----------------------------------------------------------------------------------------
 PREFIX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-_NAME = re.compile(
-    r"(?P<stem>(?P<prefix>[A-Za-z0-9_][A-Za-z0-9_.-]*)-(?P<seq>\d{6,})-(?P<ms>\d+))\.jsonl(?P<part>\.part)?"
-)
+_NAME = re.compile(rf"(?P<stem>(?P<prefix>{PREFIX.pattern})-(?P<seq>\d{{6,}})-(?P<ms>\d+))\.jsonl(?P<part>\.part)?")
 FINISHED = ".jsonl"
-PART = ".jsonl.part"
+PART = FINISHED + ".part"
 
 
 @dataclass(frozen=True)
