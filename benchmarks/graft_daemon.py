@@ -6,7 +6,7 @@ Stages, each timed alone on the same synthetic traffic (steady state: the table 
 - aggregate: ``cap_per_replica`` + ``CandidateTable.add`` on evidence tensors (the daemon's own work);
 - evidence: decoded step records -> evidence tensors (``step_evidence``);
 - parse: JSON lines -> validated step columns, as the daemon reads them (``LogReader(raw=True)`` and
-  ``trainer.vlog.columns.BatchDecoder``: simdjson buffers, list checks vectorised per batch);
+  ``trainer.vlog.reader.BatchDecoder``: simdjson buffers, list checks vectorised per batch);
 - end to end: parse, then ``GraftState.apply_decoded``, i.e. all of the above, on one core;
 - the daemon: ``trainer adapt graft --once`` (in this process) with 0, 1 and 2 decode workers, wall clock: a whole
   run, and steady ingest (a run over ``4c`` copies of the lines minus one over ``c``, runs interleaved);
@@ -41,8 +41,7 @@ from safetensors.torch import save_file
 from trainer.adapt.candidates import SCALE
 from trainer.adapt.graft import GraftConfig, GraftState, cap_per_replica, run_graft, step_evidence
 from trainer.snapshots import ADJACENCY, ADJACENCY_TENSOR, publish
-from trainer.vlog.columns import BatchDecoder, StepColumns
-from trainer.vlog.reader import LogReader
+from trainer.vlog.reader import BatchDecoder, LogReader, StepColumns
 from trainer.vlog.schema import step_record
 
 CLOCK = time.process_time

@@ -1,4 +1,4 @@
-"""The columnar step decoder (trainer/vlog/columns.py) against the reference decoder (schema.decode): on valid
+"""The columnar step decoder (trainer/vlog/reader.py) against the reference decoder (schema.decode): on valid
 and mutated lines, mixed in batches, it accepts exactly what the reference accepts, with the same values, and
 rejects the rest with the reference's reason; valid step lines take its fast path."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import orjson
 import pytest
 
-from trainer.vlog.columns import LOGPROB_DTYPE, BatchDecoder, StepColumns, decode_batch
+from trainer.vlog.reader import LOGPROB_DTYPE, BatchDecoder, StepColumns, decode_batch
 from trainer.vlog.schema import RecordError, decode, request_record, step_record
 
 V = 300

@@ -74,8 +74,7 @@ from trainer.snapshots import (
     read_manifest,
     tenant_filename,
 )
-from trainer.vlog.columns import Decoded, StepColumns
-from trainer.vlog.reader import LogReader
+from trainer.vlog.reader import Decoded, LogReader, StepColumns
 from trainer.vlog.schema import RecordError
 from trainer.vlog.workers import DecodePool, Pending
 
@@ -294,7 +293,7 @@ class GraftState:
         return self.apply_decoded(steps, [r for r in records if r["kind"] == "request"], lines)
 
     def apply_decoded(self, steps: StepColumns, requests: list[dict], lines: int) -> int:
-        """``apply`` for a batch decoded by ``trainer.vlog.columns``: its valid step and request records."""
+        """``apply`` for a batch decoded by ``trainer.vlog.reader.decode_batch``: its valid step and request records."""
         self.counters.lines += lines
         self.counters.records += len(steps) + len(requests)
         # Per table (None: the shared one): the indices of its step records, its request records.

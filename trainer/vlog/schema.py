@@ -42,7 +42,7 @@ LOGPROB_SLACK = 1e-3
 MAX_LINE_BYTES = 8 << 20
 PHASES = ("draft", "tree", "verify")
 # The types each step record field other than its five lists may have: ``type``, not ``isinstance`` (JSON true is
-# not an int). Readers that take a line apart themselves check the same (``trainer/vlog/columns.py``).
+# not an int). Readers that take a line apart themselves check the same (``trainer/vlog/reader.py``).
 FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "v": (int,),
     "kind": (str,),

@@ -33,7 +33,7 @@ from typing import BinaryIO
 import numpy as np
 
 from trainer.errors import UserError
-from trainer.vlog.columns import BatchDecoder, Decoded
+from trainer.vlog.reader import BatchDecoder, Decoded
 
 _LENGTH = struct.Struct("<Q")
 # A worker's first frame: its imports are done and it reads batches.
