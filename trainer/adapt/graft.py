@@ -293,7 +293,7 @@ class GraftState:
         return self.apply_decoded(steps, [r for r in records if r["kind"] == "request"], lines)
 
     def apply_decoded(self, steps: StepColumns, requests: list[dict], lines: int) -> int:
-        """``apply`` for a batch decoded by ``trainer.vlog.reader.decode_batch``: its valid step and request records."""
+        """``apply`` for a batch decoded by ``trainer.vlog.reader.BatchDecoder``: its valid step and request records."""
         self.counters.lines += lines
         self.counters.records += len(steps) + len(requests)
         # Per table (None: the shared one): the indices of its step records, its request records.
