@@ -453,6 +453,11 @@ def test_a_state_file_of_another_version_is_refused_by_name(tmp_path):
     path.write_text(json.dumps({**saved, "arms": {"full-1": old_arm}}))
     with pytest.raises(StateError, match=r"arm statistics \['full-1'\] without the keys"):
         _daemon(tmp_path)
+    # A key with a default in ArmStats is still one the saved statistics must hold.
+    short_arm = {k: v for k, v in saved["arms"]["full-1"].items() if k != "tried"}
+    path.write_text(json.dumps({**saved, "arms": {"full-1": short_arm}}))
+    with pytest.raises(StateError, match=r"arm statistics \['full-1'\] without the keys"):
+        _daemon(tmp_path)
     del saved["version"]
     path.write_text(json.dumps(saved))
     with pytest.raises(StateError, match=r"lacks \['version'\]"):

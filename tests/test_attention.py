@@ -24,7 +24,6 @@ from trainer.drafters.attention import (
 )
 from trainer.drafters.common import SdpaDrafter
 from trainer.drafters.dflash import DFlashDraftModel
-from trainer.drafters.families import family_of
 from trainer.errors import UserError
 from trainer.paths import project_path
 from trainer.target import Target, load_causal_lm
@@ -73,7 +72,7 @@ def test_flex_loss_and_gradients_equal_dense(name, target_model, monkeypatch):
         sliding = DFlashDraftModel(config).train()
         sliding.load_state_dict(drafter.state_dict())
         drafter = sliding
-    target = Target(target_model, family_of(drafter).target_layer_ids(drafter))
+    target = Target(target_model, list(drafter.target_layer_ids))
     batch = batch_of(target_model.config.vocab_size)
     options = default_options(drafter)
 

@@ -203,6 +203,16 @@ def test_lightning_stays_out_transitively():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def test_the_log_recorder_loads_no_drafter_architecture():
+    """Servers and the vLLM plugin import the recorder; it needs one leaf of ``trainer.drafters`` (the attention
+    masks of verification), not the drafter models that the package's public names bring in."""
+    code = "import sys, trainer.vlog.recorder\n"
+    code += "print(sorted(m for m in sys.modules if m.startswith('trainer.drafters.')))\n"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[-2] == "['trainer.drafters.attention']"
+
+
 # ---- docs/design.md, "Four paths through the code" ------------------------------------------------------------
 STEP = re.compile(r"(\d+)\. `(trainer/[\w/]+\.py)` `([\w.]+)`(.*)")
 HEADING = re.compile(r"\*\*(.+)\*\* \((\d+) files, (\d+) with side trips\)")

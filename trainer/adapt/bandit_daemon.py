@@ -171,26 +171,22 @@ class DaemonState:
         """The state read from ``path``; a StateError names what is missing or foreign."""
         if not isinstance(obj, dict):
             raise StateError(f"the bandit state {path} is not a JSON object; move it away to start afresh")
-        unknown, missing = foreign_keys(cls, obj)
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        unknown, missing = set(obj) - {f.name for f in fields(cls)}, required - set(obj)
         if unknown or missing:
             raise StateError(
                 f"the bandit state {path} has unknown keys {sorted(unknown)} and lacks {sorted(missing)}: another "
                 "version wrote it; move it away to start afresh"
             )
+        arm_keys = {f.name for f in fields(ArmStats)}
         arms = obj.get("arms", {})
-        foreign = sorted(n for n, arm in arms.items() if not isinstance(arm, dict) or any(foreign_keys(ArmStats, arm)))
+        foreign = sorted(n for n, arm in arms.items() if not isinstance(arm, dict) or set(arm) != arm_keys)
         if foreign:
             raise StateError(
-                f"the bandit state {path} holds arm statistics {foreign} without the keys "
-                f"{sorted(f.name for f in fields(ArmStats))}: another version wrote it; move it away to start afresh"
+                f"the bandit state {path} holds arm statistics {foreign} without the keys {sorted(arm_keys)}: another "
+                "version wrote it; move it away to start afresh"
             )
         return cls(**obj)
-
-
-def foreign_keys(cls: type, obj: dict) -> tuple[set[str], set[str]]:
-    """(keys of ``obj`` that dataclass ``cls`` has no field for, required fields ``obj`` lacks)."""
-    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
-    return set(obj) - {f.name for f in fields(cls)}, required - set(obj)
 
 
 class BanditDaemon:
@@ -247,7 +243,7 @@ class BanditDaemon:
             self.arms = tuple(a for a in arms if a.params != "approx" or has_approx)
             for arm in self.arms:
                 self.state.arms.setdefault(arm.name, ArmStats.fresh(config).to_json())
-            self.target = Target(model, family_of(self.drafter).target_layer_ids(self.drafter))
+            self.target = Target(model, list(self.drafter.target_layer_ids))
             truncate_to(self.state_dir / QUARANTINE, self.state.quarantine_bytes)
             truncate_to(self.state_dir / DECISIONS, self.state.decisions_bytes)
             self.reader = LogReader(self.logs, self.state.offsets, vocab_size=self.vocab_size)

@@ -14,8 +14,7 @@ per-row tensors. A rule runs one of two ways (:data:`AttentionPath`):
 
 ``auto`` (the default) is ``flex`` on CUDA and ``dense`` elsewhere: torch's flex attention has no backward on
 CPU, and uncompiled it materialises the scores anyway. Decoding passes small explicit masks (or none) and
-always runs SDPA. Every boolean mask of the package (training, decoding, packing) reaches HF attention in the
-additive form ``additive_mask`` gives it.
+always runs SDPA, with boolean masks made additive by ``additive_mask``.
 
 On CPU::
 
@@ -42,8 +41,8 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     (``finfo(float32).min`` would overflow to -inf in float16). Shape: any → the same.
 
     HF attention adds a float mask to the scores, and a boolean one is silently wrong with eager attention (which
-    adds it), so every mask of the package (packed samples, training blocks, the training-time test, draft and
-    verification trees) is built as a boolean "allowed" tensor and turned into this form here."""
+    adds it), so every dense mask of the package (packed samples, training blocks, the training-time test, draft
+    and verification trees) is built as a boolean "allowed" tensor and turned into this form here."""
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
     return mask.to(dtype).clamp_min(torch.finfo(dtype).min)

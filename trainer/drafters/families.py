@@ -55,10 +55,6 @@ class Family:
         """The module that reads the target: the backbone, or the drafter itself."""
         return getattr(drafter, self.backbone) if self.backbone else drafter
 
-    def target_layer_ids(self, drafter: nn.Module) -> list[int]:
-        """The target layers whose hidden states the drafter reads (its core's; HF ``hidden_states[l + 1]``)."""
-        return list(self.core(drafter).target_layer_ids)
-
     def with_core(self, drafter: nn.Module, core: nn.Module) -> nn.Module:
         """``drafter`` with its core replaced by ``core`` (e.g. a LoRA-merged copy); returns the drafter."""
         if self.backbone is None:
@@ -100,7 +96,7 @@ def family_of(drafter: nn.Module | type) -> Family:
 # The ``architectures`` name a saved config.json carries → the class that loads it.
 DRAFTER_CLASSES: dict[str, type[PreTrainedModel]] = {f.architecture: f.cls for f in FAMILIES.values()}
 # What ``drafter_class`` accepts: those names and each class's own (see there).
-_BY_NAME = {**{c.__name__: c for c in DRAFTER_CLASSES.values()}, **DRAFTER_CLASSES}
+_BY_NAME = {name: f.cls for f in FAMILIES.values() for name in (f.cls.__name__, f.architecture)}
 
 
 def drafter_class(architectures: Sequence[str], where: object) -> type[PreTrainedModel]:

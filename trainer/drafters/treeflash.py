@@ -82,6 +82,10 @@ class TreeFlashDraftModel(Qwen3PreTrainedModel):
     def mask_token_id(self) -> int:
         return self.model.mask_token_id
 
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.model.target_layer_ids
+
     def backbone(self, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """The DFlash forward. Returns pre-norm and normed hidden states, each (B, Q, H)."""
         hidden = self.model(**kwargs, return_prenorm=True)

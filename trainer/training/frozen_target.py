@@ -210,8 +210,8 @@ class FrozenTargetTraining(L.LightningModule):
 
     @property
     def layer_ids(self) -> list[int]:
-        """Target layer ids the drafter reads (HF ``hidden_states[l + 1]``), from the family's core."""
-        return family_of(self.drafter).target_layer_ids(self.drafter)
+        """Target layer ids the drafter reads (HF ``hidden_states[l + 1]``)."""
+        return list(self.drafter.target_layer_ids)
 
     def load_drafter(self, model_class: type[PreTrainedModel], init_from: str) -> PreTrainedModel:
         """The ``model_class`` drafter saved at ``init_from``, in float32."""

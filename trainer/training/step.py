@@ -6,7 +6,7 @@ SpecBlock. ``step_loss`` computes the loss with the functions the family's Light
 ``specblock_unroll``/``specblock_losses`` in specblock_losses.py), with the same anchor and launch draws for the
 same ``(seed, step)``, so a step here equals one step of the LightningModule on the same batch. On CPU::
 
-    target = Target(load_causal_lm("checkpoints/target_tiny"), family_of(drafter).target_layer_ids(drafter))
+    target = Target(load_causal_lm("checkpoints/target_tiny"), list(drafter.target_layer_ids))
     batch = context_batch([ids], [len(prompt)], pad_id=0)
     loss = train_step(drafter, target, batch, torch.optim.AdamW(params, 1e-4), step=0)
 
