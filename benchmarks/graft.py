@@ -50,7 +50,8 @@ def decode_all(target, drafter, tree, encoded, args, options, memory=None) -> di
         g = generate(target, session, BUILDERS[tree], prompt, args.max_new_tokens, args.budget, sampling, gen,
                      options=options)  # fmt: skip
         totals.add(g)
-        taus.append(g.tau)
+        if g.tau is not None:  # a request that ended at its first token has no τ
+            taus.append(g.tau)
         if isinstance(session, GraftSession):
             for stage, n in session.stages.items():
                 stages[stage] = stages.get(stage, 0) + n

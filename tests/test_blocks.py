@@ -5,7 +5,7 @@ import torch
 from trainer.losses import forward_kl_topk, topk_coverage, tvd_topk, weighted_slot_mean
 from trainer.training.blocks import (
     anchor_candidates,
-    block_attention_mask,
+    block_mask_rule,
     make_blocks,
     sample_anchors,
     slot_weights,
@@ -62,7 +62,7 @@ def test_block_attention_mask():
     input_ids, loss_mask, position_ids, doc_ids = packed_batch()
     anchors = torch.tensor([[3, 7]])
     blocks = make_blocks(input_ids, loss_mask, position_ids, doc_ids, anchors, anchors >= 0, 2, MASK)
-    allowed = block_attention_mask(doc_ids, blocks)[0, 0] == 0
+    allowed = block_mask_rule(doc_ids, blocks).dense()[0, 0]
     t = 12
     # Block 0 (anchor 3, doc 1): context 0..2 only; its own two slots; not block 1.
     for q in (0, 1):

@@ -2,13 +2,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 from conftest import ROOT
 
 import trainer.data.cli as data_cli
-from trainer.cli import TrainerCLI, main
+from trainer.cli import StepProgressBar, TrainerCLI, main
 from trainer.recipes import RecipeError, available_recipes, parse_overrides, resolve_recipe
 
 
@@ -252,3 +253,11 @@ def test_fit_ends_with_the_table_of_the_trained_weights():
         events.clear()
         cli.after_fit()
         assert events == [expected]
+
+
+def test_progress_bar_title_in_a_run_bounded_by_steps():
+    bar = StepProgressBar()
+    bar._trainer = SimpleNamespace(max_epochs=-1)
+    assert bar._get_train_description(0).rstrip() == "Epoch 0"
+    bar._trainer = SimpleNamespace(max_epochs=3)
+    assert bar._get_train_description(1).rstrip() == "Epoch 1/2"

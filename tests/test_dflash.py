@@ -18,7 +18,7 @@ from trainer.drafters.dflash import (
     default_target_layer_ids,
 )
 from trainer.errors import UserError
-from trainer.training.blocks import block_attention_mask, make_blocks
+from trainer.training.blocks import block_mask_rule, make_blocks
 
 HIDDEN = 32
 BLOCK = 4
@@ -83,7 +83,7 @@ def packed_layout(anchors: torch.Tensor, position_ids: torch.Tensor, doc_ids: to
     ones = torch.ones_like(doc_ids)
     blocks = make_blocks(ones, ones, position_ids, doc_ids, anchors, anchors >= 0, BLOCK, mask_token_id=0)
     positions = torch.cat([position_ids, blocks.positions.flatten(1)], dim=1)
-    return positions, block_attention_mask(doc_ids, blocks)
+    return positions, block_mask_rule(doc_ids, blocks).build("dense", torch.float32)
 
 
 def training_layout(anchors: torch.Tensor, ctx: int):

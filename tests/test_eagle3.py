@@ -13,7 +13,7 @@ from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
 from trainer.losses import draft_teacher, soft_cross_entropy_and_kl
 from trainer.training.eagle3 import Eagle3Training
-from trainer.training.eagle3_losses import ttt_attention_mask, ttt_step
+from trainer.training.eagle3_losses import ttt_mask_rule, ttt_step
 
 SGLANG_KEYS = {
     "midlayer.self_attn.q_proj.weight",
@@ -147,7 +147,7 @@ def test_unroll_steps_shift_inputs_labels_and_positions():
             assert step.teacher_index[0, pos] == pos + 1 + i  # the target's distribution over it
             assert step.positions[0, pos] == pos + i
         assert step.label_mask[0].tolist() == [p + 2 + i < t for p in range(t)]
-        mask = ttt_attention_mask(doc_ids, i)
+        mask = ttt_mask_rule(doc_ids, i).dense()
         assert mask.shape == (1, 1, t, (i + 1) * t)
 
 
@@ -165,7 +165,7 @@ def test_unroll_respects_loss_mask_and_document_boundaries():
     step2 = ttt_step(ids, loss_mask, position_ids, doc_ids, 2)
     assert step2.label_mask[0].nonzero().flatten().tolist() == [0, 1]
 
-    allowed = ttt_attention_mask(doc_ids, 2)[0, 0] == 0
+    allowed = ttt_mask_rule(doc_ids, 2).dense()[0, 0]
     t = 12
     # Step 0 keys: causal within the sample; steps 1..2: the query's own position only.
     assert allowed[7, :t].nonzero().flatten().tolist() == [6, 7]

@@ -66,6 +66,15 @@ def test_eval_writes_summary_for_every_tree_budget_and_condition(setup, capsys):
     assert "| treeflash | 8 |" in (out / "summary.md").read_text()
 
 
+def test_a_prompt_answered_by_its_first_token_has_no_tau(setup):
+    """No verification step ran: its τ is null, not 0 (which would drag a mean over prompts down)."""
+    out = setup / "out_first"
+    main(["eval", "--drafter", str(setup / "run"), "--prompts", str(setup / "prompts.jsonl"), "--tree", "chain",
+          "--budget", "4", "--max-new-tokens", "1", "--out", str(out), "--ignore-eos"])  # fmt: skip
+    run = json.loads((out / "summary.json").read_text())["conditions"]["greedy"]["runs"]["chain"]["4"]
+    assert [(len(p["tokens"]), p["tau"], p["speedup"]) for p in run["prompts"]] == [(1, None, None)] * 2
+
+
 def run_expecting_error(capsys, *args) -> str:
     with pytest.raises(SystemExit) as exc:
         main(["eval", *args])

@@ -6,6 +6,7 @@ from transformers import AutoTokenizer
 
 from trainer.data.render import render_chat, render_text, turn_end_marker
 
+TOO_LONG = "sequence-length-is-longer-than-the-specified-maximum"
 TEMPLATE = Path(__file__).parent / "data" / "qwen3_style_chat_template.jinja"
 
 
@@ -88,3 +89,14 @@ def test_shipped_tiny_template_masks(qwen3_tok):
 def test_plain_text_learns_everything_and_ends_with_eos(qwen3_tok):
     r = render_text(qwen3_tok, "def f():\n    return 1\n")
     assert all(r.loss_mask) and r.input_ids[-1] == qwen3_tok.eos_token_id
+
+
+def test_long_documents_do_not_trigger_the_tokenizers_length_warning():
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TARGET)
+    text = "def f(x):\n    return x\n" * (tokenizer.model_max_length // 4)
+    assert len(render_text(tokenizer, text).input_ids) > tokenizer.model_max_length
+    chat = render_chat(tokenizer, [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}])
+    assert len(chat.input_ids) > tokenizer.model_max_length
+    assert not tokenizer.deprecation_warnings.get(TOO_LONG)
+    tokenizer(text)  # the check this guards against: a plain call does warn
+    assert tokenizer.deprecation_warnings.get(TOO_LONG)

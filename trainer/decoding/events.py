@@ -80,9 +80,10 @@ class Generation:
     decode_seconds: float = 0.0
 
     @property
-    def tau(self) -> float:
-        """Tokens committed per verification forward, bonus included."""
-        return sum(s.committed for s in self.steps) / max(len(self.steps), 1)
+    def tau(self) -> float | None:
+        """Tokens committed per verification forward, bonus included; None when the answer ended at its first
+        token (no verification step: nothing to divide, and 0 would drag a mean over prompts down)."""
+        return sum(s.committed for s in self.steps) / len(self.steps) if self.steps else None
 
 
 def step_of(verdict: Verdict, tree: Tree, depth: int, forwards: int, seconds: dict[str, float]) -> Step:

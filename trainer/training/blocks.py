@@ -14,12 +14,12 @@ those online with the frozen target.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 
 from trainer.data.features import teacher_at, with_features
-from trainer.drafters.attention import MaskRule, additive_mask, block_rule
+from trainer.drafters.attention import MaskRule, block_rule
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.losses import cross_entropy, forward_kl_topk, weighted_slot_mean
@@ -119,11 +119,6 @@ def make_blocks(
     )
 
 
-def block_attention_mask(doc_ids: torch.Tensor, blocks: Blocks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Shape: doc_ids (B, T), N blocks of K → additive mask (B, 1, N·K, T + N·K): :func:`block_mask_rule` dense."""
-    return additive_mask(block_mask_rule(doc_ids, blocks).dense(), dtype)
-
-
 def block_mask_rule(doc_ids: torch.Tensor, blocks: Blocks) -> MaskRule:
     """The attention pattern of ``blocks`` over the row's context and themselves
     (:func:`trainer.drafters.attention.block_rule`)."""
@@ -188,24 +183,25 @@ def block_hidden(
     return hidden.view(b, n, k, -1)
 
 
-class BlockLoss(NamedTuple):
-    """A block drafter's loss of a batch and what it was computed from. Shapes: loss (); logits (B, N, K, V)
-    (TreeFlash: corrected); teacher top-k ids and log-probs (B, N, K, k)."""
+@dataclass(frozen=True)
+class BlockLoss:
+    """A block drafter's loss of a batch and what it was computed from."""
 
+    # Shape: ()
     loss: torch.Tensor
+    # Shape: (B, N, K, V); TreeFlash: the corrected logits
     logits: torch.Tensor
+    # Shape: (B, N, K, k) the target's top-k ids and log-probs at each slot's label
     teacher_ids: torch.Tensor
     teacher_logprobs: torch.Tensor
 
 
-class TreeFlashLoss(NamedTuple):
-    """``BlockLoss`` plus the backbone's normed hidden states (B, N, K, H), which the marginal metrics read."""
+@dataclass(frozen=True)
+class TreeFlashLoss(BlockLoss):
+    """``BlockLoss`` plus what TreeFlash's backbone-only (DFlash) metrics read."""
 
-    loss: torch.Tensor
+    # Shape: (B, N, K, H) the backbone's normed hidden states
     normed: torch.Tensor
-    logits: torch.Tensor
-    teacher_ids: torch.Tensor
-    teacher_logprobs: torch.Tensor
 
 
 def dflash_loss(
@@ -219,7 +215,6 @@ def dflash_loss(
     """The DFlash loss of a batch with features: depth-weighted mean over valid slots of the cross-entropy to
     the data token (``ce``) or the forward KL to the target's top-k (``kl``).
 
-    Returns: loss (), logits (B, N, K, V), teacher top-k ids and log-probs (B, N, K, k).
     """
     logits = target.lm_head(drafter.norm(block_hidden(drafter, target, batch, blocks)))
     t_ids, t_lp = teacher_at(batch, blocks.teacher_index)
@@ -237,8 +232,6 @@ def treeflash_loss(
     """The TreeFlash loss of a batch with features: depth-weighted forward KL of the corrected distribution
     (teacher-forced previous token) to the target's top-k, over valid slots.
 
-    Returns: loss (), the backbone's normed hidden (B, N, K, H), corrected logits (B, N, K, V), teacher top-k
-    ids and log-probs (B, N, K, k).
     """
     hidden = block_hidden(drafter.model, target, batch, blocks)
     normed = drafter.model.norm(hidden)
@@ -246,4 +239,4 @@ def treeflash_loss(
     corrected = target.lm_head(drafter.correct(hidden, normed, prev))
     t_ids, t_lp = teacher_at(batch, blocks.teacher_index)
     loss = weighted_slot_mean(forward_kl_topk(corrected, t_ids, t_lp), blocks.label_mask, weights)
-    return TreeFlashLoss(loss, normed, corrected, t_ids, t_lp)
+    return TreeFlashLoss(loss, corrected, t_ids, t_lp, normed)

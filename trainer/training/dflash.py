@@ -16,7 +16,7 @@ from trainer.drafters.dflash import DFlashDraftModel, build_config
 from trainer.errors import UserError
 from trainer.paths import project_path
 from trainer.training.block_drafter import BlockDrafterTraining
-from trainer.training.blocks import dflash_loss
+from trainer.training.blocks import BlockLoss, Blocks, dflash_loss
 
 
 class DFlashTraining(BlockDrafterTraining):
@@ -73,22 +73,19 @@ class DFlashTraining(BlockDrafterTraining):
         config = build_config(target.config, self.num_layers, self.block_size, mask_id, **overrides)
         return DFlashDraftModel(config)
 
-    def _slot_losses(self, batch):
+    def _slot_losses(self, batch) -> tuple[BlockLoss, Blocks]:
         batch, blocks = self._blocks(batch)
-        loss, logits, t_ids, t_lp = dflash_loss(
-            self.drafter, self.target, batch, blocks, self.slot_weights(), self.loss
-        )
-        return loss, logits, blocks, t_ids, t_lp
+        return dflash_loss(self.drafter, self.target, batch, blocks, self.slot_weights(), self.loss), blocks
 
     def training_step(self, batch, batch_idx):
-        loss, logits, blocks, _, _ = self._slot_losses(batch)
-        self.log("train/loss", loss, prog_bar=True)
+        result, blocks = self._slot_losses(batch)
+        self.log("train/loss", result.loss, prog_bar=True)
         with torch.no_grad():
-            acc = (logits.argmax(-1) == blocks.labels).float()
+            acc = (result.logits.argmax(-1) == blocks.labels).float()
             self.log("train/slot1_acc", acc[..., 1][blocks.label_mask[..., 1]].mean())
-        return loss
+        return result.loss
 
     def validation_step(self, batch, batch_idx):
-        loss, logits, blocks, t_ids, t_lp = self._slot_losses(batch)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
-        self.accumulate_depth_metrics("dflash", logits, blocks, t_ids, t_lp)
+        result, blocks = self._slot_losses(batch)
+        self.log("val/loss", result.loss, prog_bar=True, sync_dist=True)
+        self.accumulate_depth_metrics("dflash", result.logits, blocks, result.teacher_ids, result.teacher_logprobs)

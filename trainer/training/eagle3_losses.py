@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from trainer.data.features import teacher_at
-from trainer.drafters.attention import MaskRule, additive_mask, packed_causal_rule
+from trainer.drafters.attention import MaskRule, packed_causal_rule
 from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.losses import draft_teacher, soft_cross_entropy_and_kl
 from trainer.target import Target
@@ -58,12 +58,6 @@ def ttt_step(
         teacher_index=fed,
         label_mask=label_mask,
     )
-
-
-def ttt_attention_mask(doc_ids: torch.Tensor, step: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Shape: doc_ids (B, T) → additive mask (B, 1, T, (step + 1)·T) over the keys of steps 0..step in order:
-    :func:`ttt_mask_rule` dense."""
-    return additive_mask(ttt_mask_rule(doc_ids, step).dense(), dtype)
 
 
 def ttt_mask_rule(doc_ids: torch.Tensor, step: int) -> MaskRule:

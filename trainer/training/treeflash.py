@@ -20,7 +20,7 @@ from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
 from trainer.paths import project_path
 from trainer.training.block_drafter import BlockDrafterTraining
-from trainer.training.blocks import treeflash_loss
+from trainer.training.blocks import Blocks, TreeFlashLoss, treeflash_loss
 
 
 class TreeFlashTraining(BlockDrafterTraining):
@@ -61,20 +61,18 @@ class TreeFlashTraining(BlockDrafterTraining):
         model.model.requires_grad_(not self.freeze_backbone)
         return model
 
-    def _forward(self, batch):
+    def _forward(self, batch) -> tuple[TreeFlashLoss, Blocks]:
         batch, blocks = self._blocks(batch)
-        loss, normed, corrected, t_ids, t_lp = treeflash_loss(
-            self.drafter, self.target, batch, blocks, self.slot_weights()
-        )
-        return loss, normed, corrected, blocks, t_ids, t_lp
+        return treeflash_loss(self.drafter, self.target, batch, blocks, self.slot_weights()), blocks
 
     def training_step(self, batch, batch_idx):
-        loss, *_ = self._forward(batch)
-        self.log("train/kl", loss, prog_bar=True)
-        return loss
+        result, _ = self._forward(batch)
+        self.log("train/kl", result.loss, prog_bar=True)
+        return result.loss
 
     def validation_step(self, batch, batch_idx):
-        loss, normed, corrected, blocks, t_ids, t_lp = self._forward(batch)
-        self.log("val/kl", loss, prog_bar=True, sync_dist=True)
-        self.accumulate_depth_metrics("treeflash", corrected, blocks, t_ids, t_lp)
-        self.accumulate_depth_metrics("dflash", self.logits(normed), blocks, t_ids, t_lp)
+        result, blocks = self._forward(batch)
+        self.log("val/kl", result.loss, prog_bar=True, sync_dist=True)
+        teacher = (result.teacher_ids, result.teacher_logprobs)
+        self.accumulate_depth_metrics("treeflash", result.logits, blocks, *teacher)
+        self.accumulate_depth_metrics("dflash", self.logits(result.normed), blocks, *teacher)

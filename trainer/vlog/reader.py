@@ -15,7 +15,7 @@ vectorised over the whole batch; the other fields are checked against ``schema.F
 of their types and a few comparisons (``_head_valid``). A line this path cannot prove valid (a failed check, a
 duplicate key, a ``[`` inside a string or an extra list field, a request record, any parse error) is decoded by
 ``schema.decode``, so the reference validator decides every rejection and its reason, and a line is accepted here
-only when it passes every check of ``validate`` with the same values (``tests/test_vlog_columns.py`` compares the
+only when it passes every check of ``validate`` with the same values (``tests/test_vlog_decoder.py`` compares the
 two on mutated records). Both, on CPU::
 
     python -c "from trainer.vlog.reader import LogReader; \\
