@@ -2,32 +2,41 @@
 
 Long jobs get tiny settings appended (a later option wins): ``fit`` / ``validate`` stop after resolving the
 recipe (``--print_config``), which checks the recipe, every override and its type; the data and eval
-commands run for real on a few conversations, prompts and tokens. Training itself is run from an installed
-wheel by ``.ci/wheel_check``.
+commands run for real on a few conversations, prompts and tokens; the serving block runs in order against
+real servers, its daemons making one pass. Training itself is run from an installed wheel by
+``.ci/wheel_check``.
 """
 
 import json
 import re
 import runpy
 import shlex
+import shutil
+import subprocess
 import sys
+import time
 
 import pytest
 import yaml
 from conftest import ROOT
 
 from trainer.cli import main
+from trainer.serve.process import ServerProcess
 from trainer.snapshots import read_current
 
 README = (ROOT / "README.md").read_text()
 
 
-def readme_commands() -> list[str]:
-    """The command lines of the README's ``bash`` blocks: continuations joined, comments and ``&&`` split."""
-    commands = []
+def readme_blocks() -> list[list[str]]:
+    """The command lines of each of the README's ``bash`` blocks: continuations joined, comments, a trailing
+    ``&`` (a daemon started in the background) and ``&&`` split off."""
+    blocks = []
     for block in re.findall(r"^ *```bash\n(.*?)^ *```", README, flags=re.S | re.M):
+        commands = []
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
+            if words[-1:] == ["&"]:
+                words = words[:-1]
             while words:
                 cut = words.index("&&") if "&&" in words else len(words)
                 command = words[:cut]
@@ -35,10 +44,14 @@ def readme_commands() -> list[str]:
                     command = command[1:]
                 commands.append(shlex.join(command))
                 words = words[cut + 1 :]
-    return commands
+        blocks.append(commands)
+    return blocks
 
 
-COMMANDS = readme_commands()
+BLOCKS = readme_blocks()
+COMMANDS = [c for block in BLOCKS for c in block]
+# The serving walk-through: a server, a request to it, a server with logs and hot reload, the daemons beside it.
+SERVING = next(block for block in BLOCKS if block[0].startswith("trainer serve"))
 TINY = {
     "fit": ["--print_config"],
     "validate": ["--print_config"],
@@ -86,7 +99,9 @@ def run_trainer(argv: list[str]) -> int:
     return 0
 
 
-@pytest.mark.parametrize("command", [c for c in COMMANDS if c.split()[-1] != "pytest" and c.startswith("trainer ")])
+@pytest.mark.parametrize(
+    "command", [c for c in COMMANDS if c.split()[-1] != "pytest" and c.startswith("trainer ") and c not in SERVING]
+)
 def test_readme_trainer_command(command, workdir, monkeypatch, capsys):
     monkeypatch.chdir(workdir)
     argv = shlex.split(command)[1:]
@@ -128,9 +143,55 @@ def test_readme_module_command_parses(command, monkeypatch, capsys):
     assert exc.value.code == 0 and "usage:" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_readme_serving_walkthrough(workdir, monkeypatch, capsys):
+    """The serving block in order, for real: each ``trainer serve`` line starts a server (on a free port, not
+    8000) and the ``curl`` line asks it for a completion (the logging server too, so its log has a request);
+    the daemons beside the logging server make one pass over its log (``--once``), and the server then decodes
+    with the adjacency and drafter versions they published."""
+    monkeypatch.chdir(workdir)
+    curl = shutil.which("curl")
+    assert curl, "the README's serving block uses curl: install it (apt-get install curl)"
+    request = shlex.split(next(c for c in SERVING if c.startswith("curl ")))
+
+    def ask(server: ServerProcess) -> None:
+        url = server.url.removeprefix("http://")
+        done = subprocess.run([curl, *(a.replace("localhost:8000", url) for a in request[1:])],
+                              capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+        assert json.loads(done.stdout)["choices"][0]["text"]
+
+    servers = []
+    try:
+        for command in SERVING:
+            argv = shlex.split(command)
+            if argv[:2] == ["trainer", "serve"]:
+                if servers:
+                    servers[-1].stop()
+                servers.append(ServerProcess(argv[2:]))
+                if len(servers) > 1:
+                    ask(servers[-1])
+            elif argv[0] == "curl":
+                ask(servers[-1])
+            else:
+                assert argv[:2] == ["trainer", "adapt"], command
+                assert run_trainer([*argv[1:], *TINY["adapt"]]) == 0, capsys.readouterr()
+        published = [read_current(workdir / d)[0] for d in ("runs/adjacency", "runs/drafters")]
+        deadline = time.time() + 60
+        while servers[-1].metrics("trainer_adjacency_version", "trainer_drafter_version") != published:
+            assert time.time() < deadline, (published, servers[-1].output[-20:])
+            time.sleep(0.5)
+    finally:
+        for server in servers:
+            server.stop()
+    assert "lines 0 " not in capsys.readouterr().out, "a daemon read none of the logging server's lines"
+    assert sorted((workdir / "runs" / "logs").glob("*.jsonl")), "the logging server finished no segment"
+
+
 def test_every_readme_command_is_covered():
     """Every README command is one the tests above run (or the install lines CI runs); adding another kind
     means deciding how it is checked."""
     kinds = ("trainer ", "python -m trainer.", "pip install ")
-    assert [c for c in COMMANDS if not c.startswith(kinds) and c != "pytest"] == []
+    # The serving walk-through runs its one curl line; every other line is a trainer command.
+    assert [c for c in SERVING if not c.startswith("trainer ")] == [SERVING[1]] and SERVING[1].startswith("curl ")
+    assert [c for c in COMMANDS if not c.startswith(kinds) and c not in (SERVING[1], "pytest")] == []
     assert {c.split()[0] if c.startswith("trainer ") else c for c in COMMANDS} >= {"trainer", "pytest"}

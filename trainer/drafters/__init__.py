@@ -1,8 +1,8 @@
 """Drafter architectures, one per file; parameter names equal the checkpoint keys of each reference format.
 
 The family registry and ``load_drafter`` live in :mod:`trainer.drafters.families`; the names below are the
-package's public face. They load on first use, so a module that needs one leaf of the package (the decoding
-engine and the log recorder import only ``attention``) does not load every drafter architecture."""
+package's public face. They load on first use, so a module that needs one leaf of the package (the log
+recorder imports only ``attention``) does not load every drafter architecture."""
 
 from __future__ import annotations
 

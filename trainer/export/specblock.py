@@ -4,7 +4,7 @@
 ``specblock_config: {block_size, target_layer_ids, rank_class_bounds, rank_hidden_size, alignment,
 draft_vocab_size}`` (with a draft vocabulary also ``lm_head``, ``d2t``, ``t2d``); the weights are the
 drafter's parameter names (:mod:`trainer.drafters.specblock`). The loading class is
-``trainer.drafters.specblock.SpecBlockDraftModel.from_pretrained(DIR)`` (or ``trainer.decoding.drafting.load_drafter``),
+``trainer.drafters.specblock.SpecBlockDraftModel.from_pretrained(DIR)`` (or ``trainer.drafters.load_drafter``),
 and ``trainer eval --drafter DIR --tree specblock`` runs it.
 """
 

@@ -89,8 +89,11 @@ def main(argv: list[str]) -> None:
     policy, trees = policy_for(args.tree, args.budget, neural)
     engine = BatchEngine(target, drafter, trees, policy, options, max_batch=args.max_batch)
     for directory in args.watch:
-        if not directory.is_dir():
-            raise UserError(f"--watch {directory}: not a directory (the daemon's --publish directory)")
+        # A daemon started after the server publishes here first: the directory may not exist yet.
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"--watch {directory}: cannot make the directory (the daemon's --publish): {e}") from None
     writer = None
     if args.logs is not None:
         prefix = args.log_prefix or f"serve-{os.getpid()}"

@@ -61,7 +61,7 @@ DRAFTER_FREE = ("ngram", "ngram_gpu", "suffix")
 CHECK_EVERY = 16
 # vLLM's padding of ``sampled_token_ids`` after the first rejected draft.
 PLACEHOLDER = -1
-logger = logging.getLogger("trainer.vllm")
+logger = logging.getLogger("trainer.integrations.vllm")
 
 
 def shareable_of(value: object) -> bool:

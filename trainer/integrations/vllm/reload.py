@@ -31,7 +31,7 @@ from trainer.integrations.vllm.config import PluginError
 from trainer.integrations.vllm.metrics import DrafterFigures
 from trainer.snapshots import read_current
 
-logger = logging.getLogger("trainer.vllm")
+logger = logging.getLogger("trainer.integrations.vllm")
 
 
 class RefusedVersion(Exception):
