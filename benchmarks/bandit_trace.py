@@ -644,7 +644,7 @@ def units(args) -> list[tuple[str, int]]:
     return [(model, seed) for model in args.models.split(",") for seed in range(args.seeds)]
 
 
-def family_of(args) -> list[Policy]:
+def oracle_schedules(args) -> list[Policy]:
     """The oracle's fixed schedules."""
     return [*(Every(int(n)) for n in args.oracle_every.split(",")), *(AfterShift(int(d)) for d in
             args.oracle_after.split(","))]  # fmt: skip
@@ -665,7 +665,7 @@ def simulate(todo: list[tuple[str, int]], versions: Versions, costs: Costs, out:
         bandit = Bandit(out / "runs" / f"{model}-{seed}", versions, costs, config, args.log_every, seed)
         greedy = Greedy(args.greedy_window, args.greedy_drop)
         policies = [Never(), *(Every(n) for n in shown), greedy, bandit]
-        policies += [q for q in family_of(args) if not (isinstance(q, Every) and q.n in shown)]
+        policies += [q for q in oracle_schedules(args) if not (isinstance(q, Every) and q.n in shown)]
         for policy in policies:
             tick = time.perf_counter()
             run = Simulation(versions, costs, model, duration, args.rate, seed).run(policy)
@@ -717,7 +717,7 @@ def _write(out: Path, results: dict, here: dict, costs: Costs, args) -> None:
 
 def report(results: dict, args, out: Path) -> None:
     """Per cost model: served tokens (mean ± sd over seeds) per policy, ratio to never, and the oracle."""
-    family_names = [q.name for q in family_of(args)]
+    family_names = [q.name for q in oracle_schedules(args)]
     shown = [int(n) for n in args.every.split(",")]
     for model, by in results.items():
         seeds = len(by["never"])

@@ -22,12 +22,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer.decoding.builders import BUILDERS, make_session
+from trainer.decoding.builders import BUILDERS, make_session, native_tree
 from trainer.decoding.engine import generate
 from trainer.decoding.options import TreeOptions
 from trainer.decoding.verify import Sampling
 from trainer.drafters import load_drafter
-from trainer.drafters.eagle3 import Eagle3DraftModel
 from trainer.evaluate import Totals, read_prompts
 
 
@@ -71,7 +70,7 @@ def run(args: argparse.Namespace) -> dict:
         prompt = torch.tensor(tokenizer(prompts[i]["prompt"], add_special_tokens=False)["input_ids"])
         for r in rows:
             drafter = drafters[r["drafter"]]
-            tree = "eagle" if isinstance(drafter, Eagle3DraftModel) else "specblock"
+            tree = native_tree(drafter)
             options = TreeOptions.parse(r["opts"])
             for budget in r["budgets"]:
                 session = make_session(tree, target, drafter, options)

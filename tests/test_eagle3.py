@@ -77,7 +77,7 @@ def test_bad_configs_are_clear_errors():
         build_config(target_config(), 40, target_layer_ids=[1, 3, 8])
     with pytest.raises(UserError, match="three target layers"):
         build_config(target_config(), 40, target_layer_ids=[1, 3])
-    with pytest.raises(UserError, match=">= 4 layers"):
+    with pytest.raises(UserError, match=r"EAGLE-3 reads .* at least 4 layers"):
         build_config(target_config(num_layers=3), 40)
 
 

@@ -5,9 +5,11 @@ PYTHONPATH=$PWD python -m pytest tests/test_families.py -q
 
 import pytest
 import torch
+from conftest import TINY_TARGET
+from transformers import AutoModelForCausalLM
 
 from trainer.adapt.bandit_daemon import UPDATE_OPTIONS
-from trainer.decoding.builders import SESSIONS
+from trainer.decoding.builders import BUILDERS, NATIVE_TREES, SESSIONS, make_session, native_tree
 from trainer.drafters import DRAFTER_CLASSES, load_drafter
 from trainer.drafters.families import FAMILIES, family_of
 from trainer.export import FORMATS
@@ -17,8 +19,13 @@ SHIPPED = {"dflash": "checkpoints/dflash_tiny", "treeflash": "checkpoints/treefl
            "eagle3": "checkpoints/eagle3_tiny", "specblock": "checkpoints/specblock_tiny"}  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def target():
+    return AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
+
+
 def test_every_per_family_table_names_every_family():
-    for table in (SESSIONS, STEPS, UPDATE_OPTIONS):
+    for table in (SESSIONS, NATIVE_TREES, STEPS, UPDATE_OPTIONS):
         assert table.keys() == FAMILIES.keys()
     assert set(DRAFTER_CLASSES.values()) == {f.cls for f in FAMILIES.values()}
     accepted = {name for module in FORMATS.values() for name in module.ACCEPTS}
@@ -26,12 +33,16 @@ def test_every_per_family_table_names_every_family():
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
-def test_a_shipped_drafter_is_its_family_and_its_tables_agree(name):
+def test_a_shipped_drafter_is_its_family_and_its_tables_agree(name, target):
     drafter = load_drafter(SHIPPED[name])
     family = family_of(drafter)
     assert family.name == name and family_of(type(drafter)) is family
     assert isinstance(default_options(drafter), STEPS[name].options)
     assert isinstance(UPDATE_OPTIONS[name], STEPS[name].options)
+    # The family's own builder drafts with this drafter's session, not a plain or retrieval one.
+    tree = native_tree(drafter)
+    assert BUILDERS[tree].uses_drafter
+    assert type(make_session(tree, target, drafter)) is SESSIONS[name]
     core = family.core(drafter)
     assert hasattr(core, "target_layer_ids")
     full = family.parameters(drafter, "full")

@@ -186,6 +186,34 @@ def copy_drafter(directory: Path) -> None:
         shutil.copy(ROOT / "checkpoints" / "dflash_tiny" / name, directory / name)
 
 
+def test_a_builder_the_drafter_cannot_serve_is_refused_at_startup():
+    from trainer.errors import UserError
+    from trainer.serve.cli import main
+
+    eagle = str(ROOT / "checkpoints" / "eagle3_tiny")
+    with pytest.raises(UserError, match="'ddtree' needs a DFlash or TreeFlash drafter"):
+        main(["--drafter", eagle, "--neural-tree", "ddtree"])
+    with pytest.raises(UserError, match="'treeflash' needs a TreeFlash drafter"):
+        main(["--drafter", eagle, "--tree", "treeflash"])
+
+
+@pytest.mark.slow
+def test_any_family_serves_with_its_own_builder_by_default(reference):
+    """An EAGLE-3 drafter under the controller drafts with EAGLE-3's tree (not DFlash's DDTree, which it cannot
+    serve), losslessly."""
+    tokenizer, run = reference
+    eagle = ServerProcess(["--drafter", str(ROOT / "checkpoints" / "eagle3_tiny"), "--tree", "auto"])
+    try:
+        client = openai.OpenAI(base_url=f"{eagle.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        ids = tokenizer(PROMPTS[1], add_special_tokens=False)["input_ids"]
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0)
+        assert out.choices[0].text == run(ids, 24)
+        metrics = httpx.get(f"{eagle.url}/metrics", timeout=30).text
+        assert 'trainer_arm_tau{arm="eagle@' in metrics and "trainer_engine_errors_total{" not in metrics
+    finally:
+        eagle.stop()
+
+
 @pytest.mark.slow
 def test_load_with_snapshots_published_mid_load_and_complete_logs(server):
     """8 concurrent clients (streaming and not, greedy and sampled) for LOAD_SECONDS; an adjacency, a drafter

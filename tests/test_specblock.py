@@ -12,11 +12,11 @@ from safetensors import safe_open
 from transformers import DynamicCache, Qwen3ForCausalLM
 
 from trainer.data.features import with_features
+from trainer.drafters.common import eagle3_layer_ids
 from trainer.drafters.specblock import (
     SpecBlockDraftModel,
     build_config,
     context_mask,
-    eagle3_layer_ids,
     launch_mask,
     rank_class,
     token_rank,
@@ -57,11 +57,11 @@ def random_inputs(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, to
 
 # ---- layout and masks ---------------------------------------------------------------------------------------------
 def test_layer_ids_are_eagle3s_and_parameter_names_are_checkpoint_keys():
-    assert eagle3_layer_ids(8) == [1, 3, 4]
-    assert eagle3_layer_ids(36) == [1, 17, 32]  # Qwen3-8B: HF hidden_states 2, 18, 33
-    assert eagle3_layer_ids(32) == [1, 15, 28]  # Llama-3.1-8B: HF hidden_states 2, 16, 29
-    with pytest.raises(UserError, match="at least 4 layers"):
-        eagle3_layer_ids(3)
+    assert eagle3_layer_ids(8, "SpecBlock") == [1, 3, 4]
+    assert eagle3_layer_ids(36, "SpecBlock") == [1, 17, 32]  # Qwen3-8B: HF hidden_states 2, 18, 33
+    assert eagle3_layer_ids(32, "SpecBlock") == [1, 15, 28]  # Llama-3.1-8B: HF hidden_states 2, 16, 29
+    with pytest.raises(UserError, match=r"SpecBlock reads .* at least 4 layers"):
+        eagle3_layer_ids(3, "SpecBlock")
     model = drafter_for()
     assert model.target_layer_ids == [1, 3, 4] and model.block_size == K
     names = set(model.state_dict())
@@ -380,7 +380,7 @@ def test_unroll_shapes_and_teacher_launches(dirs, monkeypatch):
     for r in results:
         assert torch.equal(r.valid[..., 0], r.counted[..., 0])
     out = module.losses(results)
-    assert out["loss"].requires_grad and torch.isfinite(out["loss"])
+    assert out.loss.requires_grad and torch.isfinite(out.loss)
 
 
 def test_draft_launches_carry_the_chain(dirs):
@@ -474,7 +474,7 @@ def test_own_head_starts_from_the_targets_rows_and_restricts_the_teacher(dirs):
         teacher_row = (r.start[..., None] + torch.arange(K)).clamp(max=t - 1)
         top = batch["teacher_topk_ids"][..., 0].gather(1, teacher_row.flatten(1)).view(teacher_row.shape)
         assert not (r.counted & ~drafter.t2d[top]).any()
-    assert torch.isfinite(module.losses(results)["loss"])
+    assert torch.isfinite(module.losses(results).loss)
 
 
 def assert_same_gradients(first: tuple, second: tuple) -> None:
@@ -533,7 +533,7 @@ def test_chunked_launches_equal_one_forward(dirs, launch, max_anchors):
     for chunks in (1, 3):
         module.launch_chunks = chunks
         results = module.unroll(batch)
-        loss = module.losses(results)["loss"]
+        loss = module.losses(results).loss
         outs.append((loss, [r.valid for r in results], torch.autograd.grad(loss, params, allow_unused=True)))
     (loss_1, valid_1, grads_1), (loss_3, valid_3, grads_3) = outs
     assert torch.allclose(loss_1, loss_3, atol=1e-6)

@@ -87,7 +87,7 @@ class ResumeState:
 
 
 @dataclass
-class Decoding:
+class WriteSettings:
     """How the target writes: temperature (0 = greedy), nucleus mass, length cap, seed of the sampling streams."""
 
     temperature: float
@@ -247,7 +247,7 @@ def _regenerate_batch(
     tokenizer: PreTrainedTokenizerBase,
     stops: Stops,
     batch: Sequence[dict[str, Any]],
-    decoding: Decoding,
+    settings: WriteSettings,
     template_kwargs: dict[str, Any],
 ) -> tuple[list[list[dict[str, Any]]], int]:
     """The conversations of ``batch`` with every assistant turn regenerated, and how many turns hit the cap."""
@@ -268,9 +268,9 @@ def _regenerate_batch(
         if not waiting:
             return done, capped
         prompts = [prompt_ids(tokenizer, done[i], **template_kwargs) for i in waiting]
-        seeds = [turn_seed(decoding.seed, batch[i]["id"], turn) for i in waiting]
+        seeds = [turn_seed(settings.seed, batch[i]["id"], turn) for i in waiting]
         replies = generate_batch(
-            model, prompts, stops, decoding.max_new_tokens, decoding.temperature, decoding.top_p, seeds
+            model, prompts, stops, settings.max_new_tokens, settings.temperature, settings.top_p, seeds
         )
         for i, (ids, stopped) in zip(waiting, replies, strict=True):
             done[i].append({"role": "assistant", "content": reply_text(tokenizer, ids, stops)})
@@ -310,13 +310,13 @@ def _continue_batch(
     tokenizer: PreTrainedTokenizerBase,
     stops: Stops,
     batch: Sequence[dict[str, Any]],
-    decoding: Decoding,
+    settings: WriteSettings,
 ) -> tuple[list[str], int]:
     """Each window's prompt and the target's continuation as text, and how many continuations hit the cap."""
-    seeds = [turn_seed(decoding.seed, row["id"], 0) for row in batch]
+    seeds = [turn_seed(settings.seed, row["id"], 0) for row in batch]
     prompts = [row["prompt"] for row in batch]
     replies = generate_batch(
-        model, prompts, stops, decoding.max_new_tokens, decoding.temperature, decoding.top_p, seeds
+        model, prompts, stops, settings.max_new_tokens, settings.temperature, settings.top_p, seeds
     )
     texts = [tokenizer.decode(row["prompt"] + ids) for row, (ids, _) in zip(batch, replies, strict=True)]
     return texts, sum(not stopped for _, stopped in replies)
@@ -429,7 +429,7 @@ def regenerate(
 
     generated = capped = 0
     format_key = "text" if format == "text" else "messages"
-    decoding = Decoding(temperature, top_p, max_new_tokens, seed)
+    settings = WriteSettings(temperature, top_p, max_new_tokens, seed)
     if pending:
         model, tokenizer = load_target(target, torch_dtype, torch_device)
         stops = text_stops(tokenizer) if format == "text" else stop_tokens(tokenizer)
@@ -450,10 +450,10 @@ def regenerate(
             for start in range(0, len(pending), batch_size):
                 batch = pending[start : start + batch_size]
                 if format == "text":
-                    outputs, batch_capped = _continue_batch(model, tokenizer, stops, batch, decoding)
+                    outputs, batch_capped = _continue_batch(model, tokenizer, stops, batch, settings)
                 else:
                     outputs, batch_capped = _regenerate_batch(
-                        model, tokenizer, stops, batch, decoding, dict(template_kwargs)
+                        model, tokenizer, stops, batch, settings, dict(template_kwargs)
                     )
                 for row, output in zip(batch, outputs, strict=True):
                     record = {"id": row["id"], "source": row["source"], format_key: output}

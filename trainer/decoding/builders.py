@@ -1,6 +1,7 @@
 """The tree builders: each turns a drafting session's drafts into a tree of at most ``budget`` draft nodes, by
 name (``BUILDERS``), and the session a request needs for a builder and a drafter (``make_session``; each drafter
-family's session is ``SESSIONS``, keyed by ``trainer.drafters.families``). On CPU with the shipped tiny models::
+family's session is ``SESSIONS`` and its own builder ``NATIVE_TREES``, keyed by ``trainer.drafters.families``).
+On CPU with the shipped tiny models::
 
     python -c "
     import torch; from transformers import AutoModelForCausalLM as A
@@ -380,6 +381,19 @@ SESSIONS: dict[str, type[ContextSession]] = {
     "specblock": SpecBlockSession,
 }
 
+# Each drafter family's own tree builder (its paper's): what serving drafts with unless told otherwise.
+NATIVE_TREES: dict[str, str] = {
+    "dflash": "ddtree",
+    "treeflash": "treeflash",
+    "eagle3": "eagle",
+    "specblock": "specblock",
+}
+
+
+def native_tree(drafter: torch.nn.Module) -> str:
+    """The tree builder of ``drafter``'s family (``NATIVE_TREES``)."""
+    return NATIVE_TREES[family_of(drafter).name]
+
 
 def make_session(
     tree: str,
@@ -419,5 +433,3 @@ def make_session(
         ]
         raise UserError(f"tree builder {tree!r} needs a {' or '.join(wants)} drafter; got a {type(drafter).__name__}")
     return session(drafter, target)
-
-

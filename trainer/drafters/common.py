@@ -72,6 +72,18 @@ def drafter_config(
     return config_class(**{**copied, **fields, **overrides})
 
 
+def eagle3_layer_ids(num_target_layers: int, family: str) -> list[int]:
+    """EAGLE-3's feature layers, a low, a middle and a high one, which ``family`` reads by default: HF
+    ``hidden_states[2, L//2, L-3]``, the outputs of layers ``[1, L//2 - 1, L - 4]`` (Qwen3-8B, 36 layers:
+    ``[1, 17, 32]``; Llama-3.1-8B, 32 layers: ``[1, 15, 28]``)."""
+    if num_target_layers < 4:
+        raise UserError(
+            f"{family} reads target layers [1, L//2 - 1, L - 4] by default and needs a target of at least 4 layers, "
+            f"got {num_target_layers}; pass target_layer_ids explicitly"
+        )
+    return [1, num_target_layers // 2 - 1, num_target_layers - 4]
+
+
 def valid_layer_ids(layer_ids: Sequence[int], num_target_layers: int) -> list[int]:
     """``layer_ids`` as ints, refused unless non-empty and within the target's layers ``0..L-1``."""
     ids = [int(i) for i in layer_ids]

@@ -61,20 +61,10 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from trainer.drafters.attention import MaskRule, additive_mask, attend
-from trainer.drafters.common import DraftVocabHead, SdpaDrafter, drafter_config, valid_layer_ids
+from trainer.drafters.common import DraftVocabHead, SdpaDrafter, drafter_config, eagle3_layer_ids, valid_layer_ids
 from trainer.errors import UserError
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-
-
-def default_target_layer_ids(num_target_layers: int) -> list[int]:
-    """EAGLE-3's feature layers, a low, a middle and a high one: HF ``hidden_states[2, L//2, L-3]``, the outputs of
-    layers ``[1, L//2 - 1, L - 4]``."""
-    if num_target_layers < 4:
-        raise UserError(
-            f"EAGLE-3 reads target layers 1, L//2 - 1 and L - 4: the target needs >= 4 layers, has {num_target_layers}"
-        )
-    return [1, num_target_layers // 2 - 1, num_target_layers - 4]
 
 
 def sglang_layer_ids(layer_ids: Sequence[int]) -> list[int]:
@@ -100,7 +90,7 @@ def build_config(
 
     The hidden size must equal the target's (the inputs are the target's embeddings and hidden states);
     ``intermediate_size`` and the rest may be overridden. ``target_layer_ids`` are the three target layers whose
-    outputs are the features, default :func:`default_target_layer_ids`.
+    outputs are the features, default :func:`~trainer.drafters.common.eagle3_layer_ids`.
     """
     text = target_config.get_text_config()
     num_target_layers = text.num_hidden_layers
@@ -109,7 +99,7 @@ def build_config(
             f"draft_vocab_size must be within 1..{text.vocab_size} (the target's vocabulary), got {draft_vocab_size}"
         )
     if target_layer_ids is None:
-        target_layer_ids = default_target_layer_ids(num_target_layers)
+        target_layer_ids = eagle3_layer_ids(num_target_layers, "EAGLE-3")
     layer_ids = valid_layer_ids(target_layer_ids, num_target_layers)
     if len(layer_ids) != 3:
         raise UserError(f"EAGLE-3 reads three target layers; target_layer_ids {layer_ids} name {len(layer_ids)}")

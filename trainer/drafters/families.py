@@ -75,8 +75,15 @@ FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         Family("dflash", DFlashDraftModel, "DFlashDraftModel", DrafterDecoderLayer, vllm_method="dflash"),
-        Family("treeflash", TreeFlashDraftModel, "TreeFlashDraftModel", DrafterDecoderLayer, "model",
-               "ar_approximation", "dflash"),
+        Family(
+            "treeflash",
+            TreeFlashDraftModel,
+            "TreeFlashDraftModel",
+            DrafterDecoderLayer,
+            "model",
+            "ar_approximation",
+            "dflash",
+        ),
         Family("eagle3", Eagle3DraftModel, EAGLE3_ARCHITECTURE, Eagle3DecoderLayer, vllm_method="eagle3"),
         Family("specblock", SpecBlockDraftModel, "SpecBlockDraftModel", DrafterDecoderLayer),
     )

@@ -26,6 +26,7 @@ from trainer.drafters.common import (
     DraftVocabHead,
     SdpaDrafter,
     drafter_config,
+    eagle3_layer_ids,
     valid_layer_ids,
 )
 from trainer.errors import UserError
@@ -39,17 +40,6 @@ RANK_GAP_RANKS = (2, 3, 5)
 DEFAULT_RANK_HIDDEN_SIZE = 256
 # How a context position's features pair with a token (module docstring): the authors' ``next``, or ``same``.
 ALIGNMENTS = ("next", "same")
-
-
-def eagle3_layer_ids(num_target_layers: int) -> list[int]:
-    """EAGLE-3's feature layers as this project's layer ids: HF ``hidden_states`` ``[2, L//2, L-3]`` →
-    ``[1, L//2 - 1, L - 4]`` (Qwen3-8B, 36 layers: ``[1, 17, 32]``; Llama-3.1-8B, 32 layers: ``[1, 15, 28]``)."""
-    if num_target_layers < 4:
-        raise UserError(
-            f"SpecBlock reads target layers [1, L//2 - 1, L - 4] and needs a target of at least 4 layers, "
-            f"got {num_target_layers}; pass target_layer_ids explicitly"
-        )
-    return [1, num_target_layers // 2 - 1, num_target_layers - 4]
 
 
 def build_config(
@@ -87,7 +77,7 @@ def build_config(
             f"got {draft_vocab_size}"
         )
     if target_layer_ids is None:
-        target_layer_ids = eagle3_layer_ids(num_target_layers)
+        target_layer_ids = eagle3_layer_ids(num_target_layers, "SpecBlock")
     fields = {
         "num_target_layers": num_target_layers,
         "specblock_config": {

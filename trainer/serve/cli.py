@@ -6,8 +6,9 @@
         -d '{"model": "target_tiny", "prompt": "def main(", "max_tokens": 32}'
 
 ``--tree auto`` (the default) lets the cost-aware controller (trainer/decoding/controller.py) choose every step
-between plain decoding, recycling and the drafter's ``--neural-tree`` builder at several budgets; a builder
-name pins that builder at ``--budget``.
+between plain decoding, recycling and the drafter's ``--neural-tree`` builder (default: its family's own,
+``NATIVE_TREES`` in trainer/decoding/builders.py) at several budgets; a builder name pins that builder at
+``--budget``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import uvicorn
 from transformers import AutoTokenizer, PreTrainedModel
 
 from trainer.decoding.batch import BatchEngine
-from trainer.decoding.builders import BUILDERS
+from trainer.decoding.builders import BUILDERS, make_session, native_tree
 from trainer.decoding.controller import policy_for
 from trainer.decoding.options import TreeOptions
 from trainer.devices import add_device_arguments, parse_device, parse_dtype
@@ -47,7 +48,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=DEFAULT_TARGET, help="target HF directory (default: the shipped tiny target)")
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="drafter HF directory, or 'none' (default: shipped)")
     p.add_argument("--tree", default="auto", help=f"'auto' (the controller) or one of {sorted(BUILDERS)}")
-    p.add_argument("--neural-tree", default="ddtree", help="the drafter's builder the controller may choose")
+    p.add_argument(
+        "--neural-tree", default=None, help="the drafter's builder the controller may choose (default: its family's)"
+    )
     p.add_argument("--budget", type=int, default=16, help="draft nodes per step with a fixed --tree")
     p.add_argument("--tree-opt", action="append", default=[], metavar="KEY=VALUE", help="tree option (repeatable)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -79,13 +82,16 @@ def main(argv: list[str]) -> None:
     options = TreeOptions.parse(args.tree_opt)
     drafter_name = None if drafter is None else Path(args.drafter).name
     if args.tree == "auto":
-        neural = args.neural_tree if drafter is not None else None
+        neural = (args.neural_tree or native_tree(drafter)) if drafter is not None else None
     else:
         if args.tree not in BUILDERS:
             raise UserError(f"--tree {args.tree!r}: choose 'auto' or one of {sorted(BUILDERS)}")
         if args.budget < 0:
             raise UserError(f"--budget must be >= 0, got {args.budget}")
         neural = args.tree if BUILDERS[args.tree].uses_drafter else None
+    for tree in {args.tree, neural} - {"auto", None}:
+        # Refused here, once, rather than in every request's prefill (a 500 each).
+        make_session(tree, target, drafter, options)
     policy, trees = policy_for(args.tree, args.budget, neural)
     engine = BatchEngine(target, drafter, trees, policy, options, max_batch=args.max_batch)
     for directory in args.watch:

@@ -54,6 +54,7 @@ from trainer.errors import UserError
 from trainer.training.frozen_target import FrozenTargetTraining, show_table
 from trainer.training.specblock_losses import (
     BlockResult,
+    SpecBlockLoss,
     SpecBlockOptions,
     rank_loss,
     specblock_losses,
@@ -191,23 +192,23 @@ class SpecBlockTraining(FrozenTargetTraining):
     def rank_loss(self, r: BlockResult) -> torch.Tensor:
         return rank_loss(r, self.loss_options, self.drafter.block_size)
 
-    def losses(self, results: list[BlockResult]) -> dict[str, torch.Tensor]:
+    def losses(self, results: list[BlockResult]) -> SpecBlockLoss:
         return specblock_losses(results, self.loss_options, self.drafter.block_size)
 
     def training_step(self, batch, batch_idx):
         out = self.losses(self.unroll(batch))
-        self.log("train/loss", out["loss"], prog_bar=True)
-        self.log("train/kl", out["kl"])
-        self.log("train/rank", out["rank"])
-        self.log("train/valid_fraction", out["valid_fraction"])
-        return out["loss"]
+        self.log("train/loss", out.loss, prog_bar=True)
+        self.log("train/kl", out.kl)
+        self.log("train/rank", out.rank)
+        self.log("train/valid_fraction", out.valid_fraction)
+        return out.loss
 
     def validation_step(self, batch, batch_idx):
         results = self.unroll(batch)
         out = self.losses(results)
-        self.log("val/loss", out["loss"], prog_bar=True, sync_dist=True)
-        self.log("val/kl", out["kl"], sync_dist=True)
-        self.log("val/rank", out["rank"], sync_dist=True)
+        self.log("val/loss", out.loss, prog_bar=True, sync_dist=True)
+        self.log("val/kl", out.kl, sync_dist=True)
+        self.log("val/rank", out.rank, sync_dist=True)
         self.accumulate_depth_metrics(results)
 
     # ---- metrics ------------------------------------------------------------------------------------------

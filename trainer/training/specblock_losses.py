@@ -416,9 +416,20 @@ def rank_loss(r: BlockResult, options: SpecBlockOptions, block_size: int) -> tor
     return (ce * weight).sum() / weight.sum().clamp(min=1e-8)
 
 
-def specblock_losses(results: list[BlockResult], options: SpecBlockOptions, block_size: int) -> dict[str, torch.Tensor]:
-    """The loss (module docstring of trainer/training/specblock.py) with its KL and rank parts and the share of
-    counted slots that were valid."""
+@dataclass(frozen=True)
+class SpecBlockLoss:
+    """The SpecBlock loss of a batch (module docstring of trainer/training/specblock.py) and its parts; each a
+    scalar tensor."""
+
+    loss: torch.Tensor
+    kl: torch.Tensor
+    rank: torch.Tensor
+    # The share of counted slots (live chains under the loss mask) that were valid drafts.
+    valid_fraction: torch.Tensor
+
+
+def specblock_losses(results: list[BlockResult], options: SpecBlockOptions, block_size: int) -> SpecBlockLoss:
+    """The loss of the unrolled blocks ``results``, with its KL and rank parts."""
     kl_means, present = _slot_means([r.kl for r in results], results, block_size)
     p = present.float()
     # Shape: (K,) the mean over blocks of each slot's mean KL
@@ -429,9 +440,5 @@ def specblock_losses(results: list[BlockResult], options: SpecBlockOptions, bloc
     rank = sum((rank_loss(r, options, block_size) for r in ranked), torch.zeros((), device=kl_loss.device))
     rank = rank / max(len(ranked), 1)
     counted = sum(r.counted.sum() for r in results)
-    return {
-        "loss": kl_loss + rank,
-        "kl": kl_loss,
-        "rank": rank,
-        "valid_fraction": sum(r.valid.sum() for r in results) / counted.clamp(min=1),
-    }
+    valid_fraction = sum(r.valid.sum() for r in results) / counted.clamp(min=1)
+    return SpecBlockLoss(kl_loss + rank, kl_loss, rank, valid_fraction)

@@ -200,7 +200,7 @@ def _eagle3_loss(drafter, target, batch, step: int, options: Eagle3StepOptions) 
 
 def _specblock_loss(drafter, target, batch, step: int, options: SpecBlockStepOptions) -> torch.Tensor:
     results = specblock_unroll(drafter, target, with_features(batch, target, options.topk), options.loss, step)
-    return specblock_losses(results, options.loss, drafter.block_size)["loss"]
+    return specblock_losses(results, options.loss, drafter.block_size).loss
 
 
 def _block_step_loss(drafter, target, batch, step: int, options: BlockStepOptions) -> torch.Tensor:
