@@ -170,7 +170,7 @@ class SpecBlockDraftModel(SdpaDrafter, DraftVocabHead, Qwen3PreTrainedModel):
         self.block_size = int(spec["block_size"])
         self.target_layer_ids: list[int] = [int(i) for i in spec["target_layer_ids"]]
         self.rank_class_bounds: list[int] = [int(b) for b in spec["rank_class_bounds"]]
-        # Exports made before these fields existed paired f_i with x_i and drafted through the target's head.
+        # Absent from a config, these mean: f_i pairs with x_i, and drafts go through the target's head.
         self.alignment: str = spec.get("alignment", "same")
         self.draft_vocab_size: int | None = spec.get("draft_vocab_size")
         hidden = config.hidden_size
