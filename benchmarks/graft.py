@@ -44,7 +44,7 @@ def decode_all(target, drafter, tree, encoded, args, options, memory=None) -> di
     stages: dict[int, int] = {}
     taus = []
     for i, prompt in enumerate(encoded):
-        session = memory if tree == "recycling" else make_session(tree, target, drafter, options, memory)
+        session = make_session(tree, target, drafter, options, memory)
         gen = torch.Generator().manual_seed(i)
         sampling = Sampling(args.temperature)
         g = generate(target, session, BUILDERS[tree], prompt, args.max_new_tokens, args.budget, sampling, gen,

@@ -34,7 +34,7 @@ from rich.progress import Progress
 from transformers import AutoTokenizer, PreTrainedModel
 
 from trainer.decoding.builders import BUILDERS, DEFAULT_OPTIONS, make_session
-from trainer.decoding.drafting import GraftSession, RecyclingSession
+from trainer.decoding.drafting import RecyclingSession
 from trainer.decoding.engine import generate
 from trainer.decoding.events import Generation
 from trainer.decoding.options import TreeOptions
@@ -214,12 +214,8 @@ def evaluate(
 
     def run(cond: str, tree: str, budget: int, i: int, logged: bool = False) -> Generation:
         key = (cond, tree, budget)
-        if tree == "recycling":
-            session = memory(key)
-        elif BUILDERS[tree].session is GraftSession:
-            session = make_session(tree, target, drafter, options, memory(key))
-        else:
-            session = make_session(tree, target, drafter, options)
+        shared = memory(key) if BUILDERS[tree].uses_adjacency else None
+        session = make_session(tree, target, drafter, options, shared)
         gen = torch.Generator(device=target.device).manual_seed(seed + i)
         recorder = None
         if logged and log is not None:

@@ -71,6 +71,12 @@ class TreeBuilder:
         """Whether its trees come from the drafter (plain decoding and retrieval draft without one)."""
         return uses_drafter(self.session)
 
+    @property
+    def uses_adjacency(self) -> bool:
+        """Whether its trees come from an adjacency matrix a caller may keep across requests (``make_session``'s
+        ``memory``): retrieval's, and Graft's grafts."""
+        return self.session in (RecyclingSession, GraftSession)
+
 
 def _chain(
     session: BlockDraftSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions
@@ -404,13 +410,15 @@ def make_session(
 ) -> DraftSession:
     """A fresh session for one request with builder ``tree``; a clear error when the drafter cannot serve it.
 
-    ``memory``: the adjacency matrix a Graft session grafts from, kept across requests by the caller (a fresh,
-    empty one if None)."""
+    ``memory``: the adjacency matrix kept across requests by the caller (``TreeBuilder.uses_adjacency``): the
+    recycling session itself, or what a Graft session grafts from; a fresh, empty one if None."""
     if tree not in BUILDERS:
         raise UserError(f"unknown tree builder {tree!r}; choose from {sorted(BUILDERS)}")
     builder = BUILDERS[tree]
     need = builder.session
     if need is RecyclingSession:
+        if memory is not None:
+            return memory
         return RecyclingSession(target.config.vocab_size, options.recycling_width, device=target.device)
     if need is GraftSession:
         try:
