@@ -110,7 +110,7 @@ def test_round_trip_gives_identical_outputs(setup, tmp_path, fmt, family, load):
     out = write_export(drafter, fmt, tmp_path / fmt, verifier=str(root / "target"))
     back = load(out).eval()
     # The outputs below take the features as given; the layer ids say which target layers they come from.
-    assert layer_ids(back) == layer_ids(drafter)
+    assert back.target_layer_ids == drafter.target_layer_ids
     x = inputs()
     if family == "dflash" and fmt == "treeflash":
         # A DFlash drafter exported as TreeFlash has an identity approximator: its corrections are its marginals.
@@ -118,11 +118,6 @@ def test_round_trip_gives_identical_outputs(setup, tmp_path, fmt, family, load):
         return
     assert type(back) is type(drafter)
     torch.testing.assert_close(outputs(back, x), outputs(drafter, x), rtol=0, atol=0)
-
-
-def layer_ids(drafter) -> list[int]:
-    """The target layers (0-based, whose outputs are the features) a drafter of any family reads."""
-    return (drafter.model if isinstance(drafter, TreeFlashDraftModel) else drafter).target_layer_ids
 
 
 def test_treeflash_backbone_exports_as_dflash(setup, tmp_path):
@@ -390,13 +385,13 @@ def test_the_engine_feeds_the_drafter_the_layers_it_was_trained_on(tmp_path, nam
     key = json.loads((out / "config.json").read_text())
     for field in key_path:
         key = key[field]
-    trained = Target.from_pretrained(str(TINY_TARGET), layer_ids(drafter))
+    trained = Target.from_pretrained(str(TINY_TARGET), drafter.target_layer_ids)
     ids = torch.randint(0, trained.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     states = trained.model(input_ids=ids, output_hidden_states=True).hidden_states
     assert all(not torch.equal(a, b) for i, a in enumerate(states) for b in states[i + 1 :])
     torch.testing.assert_close(engine_reads(trained.model, key, ids), trained(ids, with_logits=False).features)
     # Reading the directory back gives the drafter its own layers again.
-    assert layer_ids(READERS[fmt](out)) == layer_ids(drafter)
+    assert READERS[fmt](out).target_layer_ids == drafter.target_layer_ids
     if name == "eagle3_tiny":
         # Trained on the outputs of layers [1, 3, 4]: SGLang names them so, vLLM as HF hidden_states indices.
         assert key == {"sglang": [1, 3, 4], "speculators": [2, 4, 5]}[fmt]
