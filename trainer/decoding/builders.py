@@ -119,15 +119,26 @@ def _recycling(
 def _eagle(session: Eagle3Session, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions) -> Tree:
     """EAGLE-2: expand the ``eagle_top_k`` best frontier nodes by cumulative log-prob, one drafter forward per
     depth, recording every node's top-k children; the tree is the ``budget`` best recorded candidates."""
-    tokens, parents, scores, _ = _eagle_candidates(session, root, max_depth, clock, options, prune=False)
+    found = _eagle_candidates(session, root, max_depth, clock, options, prune=False)
     with clock("tree"):
-        return best_subtree(tokens, parents, scores, root, budget)
+        return best_subtree(found.tokens, found.parents, found.scores, root, budget)
+
+
+@dataclass
+class _Candidates:
+    """EAGLE-2's recorded candidates, one entry per node (a root child's parent is -1; scores are cumulative
+    log-probs), and the Graft stage that ended drafting."""
+
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float]
+    stage: int
 
 
 def _eagle_candidates(
     session: Eagle3Session, root: int, max_depth: int, clock: Clock, options: TreeOptions, prune: bool
-) -> tuple[list[int], list[int], list[float], int]:
-    """EAGLE-2's recorded candidates ``(tokens, parents, scores)`` and the Graft stage that ended drafting.
+) -> _Candidates:
+    """EAGLE-2's recorded candidates and the Graft stage that ended drafting.
 
     With ``prune``, before each forward that would draft below a checkpoint ``d`` of ``graft_checkpoints``, the
     frontier (the beam at depth ``d + 1``) is judged by ``frontier_confidence``; below the stage's threshold,
@@ -183,7 +194,7 @@ def _eagle_candidates(
             frontier = sorted(first + int(i) for i in best)
     with clock("draft"):
         session.drop_tree()
-    return tokens, parents, scores, stage
+    return _Candidates(tokens, parents, scores, stage)
 
 
 def _draft_budget(budget: int, stage: int, options: TreeOptions) -> int:
@@ -213,10 +224,11 @@ def _graft_retrieval(
 def _graft(session: GraftSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions) -> Tree:
     """Graft over EAGLE-3: EAGLE-2's tree pruned in depth at the checkpoints, the stage's share of the budget
     kept for its best candidates, the rest grafted from ``M`` (docs/algorithms.md §7)."""
-    tokens, parents, scores, stage = _eagle_candidates(session.draft, root, max_depth, clock, options, prune=True)
+    found = _eagle_candidates(session.draft, root, max_depth, clock, options, prune=True)
     with clock("tree"):
-        draft = best_subtree(tokens, parents, scores, root, _draft_budget(budget, stage, options))
-        return _graft_retrieval(session, draft, stage, budget, max_depth, options)
+        share = _draft_budget(budget, found.stage, options)
+        draft = best_subtree(found.tokens, found.parents, found.scores, root, share)
+        return _graft_retrieval(session, draft, found.stage, budget, max_depth, options)
 
 
 def _graft_dflash(
