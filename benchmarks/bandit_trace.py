@@ -72,7 +72,7 @@ from trainer.decoding.builders import BUILDERS, make_session
 from trainer.decoding.engine import generate
 from trainer.drafters import load_drafter
 from trainer.paths import project_path
-from trainer.snapshots import read_manifest
+from trainer.snapshots import read_manifest, version_path
 from trainer.target import load_causal_lm
 from trainer.vlog.reader import LogReader
 from trainer.vlog.recorder import StepRecorder
@@ -225,7 +225,8 @@ class Versions:
             self._decode(v, prompts, logs, f"{v.name}-{phase}")
             self.save()
         requests, steps = [], {}
-        for _, _, _, record in LogReader(logs, {}, vocab_size=self.vocab_size):
+        for item in LogReader(logs, {}, vocab_size=self.vocab_size):
+            record = item.record
             if isinstance(record, RecordError):
                 raise RuntimeError(f"{logs}: {record}")
             if record["kind"] == "step":
@@ -471,7 +472,7 @@ class Bandit(Policy):
         if now == number and not seconds:
             return None
         if now not in self.by_number:
-            manifest = read_manifest(self.publish / f"v{now:06d}")
+            manifest = read_manifest(version_path(self.publish, now))
             origin = manifest.get("rollback_of")
             self.by_number[now] = self.by_number[origin] if origin else daemon.trained[id(daemon.drafter)]
         return self.by_number[now], seconds / self.daemon.costs.update_scale

@@ -35,6 +35,7 @@ from trainer.decoding.options import TreeOptions
 from trainer.decoding.verify import Sampling
 from trainer.drafters import load_drafter
 from trainer.evaluate import Totals, read_prompts, refresh_adjacency
+from trainer.snapshots import ADJACENCY, ADJACENCY_TENSOR, publish
 from trainer.target import load_causal_lm
 
 
@@ -68,12 +69,9 @@ def decode_all(target, drafter, tree, encoded, args, options, memory=None) -> di
 
 
 def publish_first_pass(memory: RecyclingSession, root: Path) -> None:
-    """The first pass's matrix as a published snapshot (``root/current`` → ``v000001/adjacency.safetensors``)."""
-    version = root / "v000001"
-    version.mkdir(parents=True, exist_ok=True)
-    save_file({"adjacency": memory.adjacency.cpu().contiguous()}, str(version / "adjacency.safetensors"))
-    (version / "manifest.json").write_text(json.dumps({"version": 1, "source": "benchmarks/graft.py first pass"}))
-    (root / "current").write_text("v000001\n")
+    """The first pass's matrix as a published snapshot under ``root``, as the graft daemon publishes one."""
+    matrix = {ADJACENCY_TENSOR: memory.adjacency.cpu().contiguous()}
+    publish(root, lambda d: save_file(matrix, str(d / ADJACENCY)), {"source": "benchmarks/graft.py first pass"})
 
 
 def warm_up_requests(cold: list[float], warm: list[float], window: int = 3) -> int | None:

@@ -148,7 +148,7 @@ def measure(vocab: int, args: argparse.Namespace) -> dict[str, float]:
             decoded.clear()
             reader = iter(LogReader(logs, vocab_size=vocab, raw=True))
             while batch := list(islice(reader, args.batch_records)):
-                decoded.append((decoder([item[3] for item in batch]), len(batch)))
+                decoded.append((decoder([item.record for item in batch]), len(batch)))
 
         def apply() -> None:
             for d, lines_in_batch in decoded:

@@ -176,9 +176,9 @@ def throughput(records: list[dict], vocab: int, directory: Path) -> dict:
     size = sum(f.stat().st_size for f in directory.glob("*.jsonl"))
     wall, cpu = time.perf_counter(), time.process_time()
     rows = bad = 0
-    for *_, record in LogReader(directory, vocab_size=vocab):
-        if isinstance(record, dict):
-            rows += len(record["topk_ids"])
+    for item in LogReader(directory, vocab_size=vocab):
+        if isinstance(item.record, dict):
+            rows += len(item.record["topk_ids"])
         else:
             bad += 1
     read_wall, read_cpu = time.perf_counter() - wall, time.process_time() - cpu

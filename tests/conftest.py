@@ -1,4 +1,5 @@
 import os
+import shutil
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -70,6 +71,13 @@ def tiny_qwen3() -> Qwen3ForCausalLM:
     """A config-built 4-layer Qwen3 with hidden 32, fp32, random weights."""
     torch.manual_seed(0)
     return Qwen3ForCausalLM(qwen3_config(4, attn_implementation="sdpa")).eval()
+
+
+def make_run(out: Path, drafter: Path = ROOT / "checkpoints" / "dflash_tiny") -> Path:
+    """A training run directory ``out`` as ``trainer fit`` leaves it, whose one HF export
+    (``lightning_logs/version_0/hf``) is a copy of the drafter directory ``drafter``."""
+    shutil.copytree(drafter, out / "lightning_logs" / "version_0" / "hf")
+    return out
 
 
 def make_tiny_target(out: Path, num_layers: int = 8, seed: int = 0) -> Qwen3Config:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_TARGET
+from conftest import ROOT, TINY_TARGET, make_run
+from safetensors.torch import load_file
 
 from trainer.adapt.bandit import (
     SKIP,
@@ -38,7 +39,7 @@ from trainer.adapt.bandit import (
     step_seconds,
     step_tokens,
 )
-from trainer.adapt.bandit_daemon import ALARM_EXIT, BanditDaemon
+from trainer.adapt.bandit_daemon import ALARM_EXIT, BanditDaemon, DaemonState, PendingDecision
 from trainer.adapt.journal import StateError
 from trainer.data.features import with_features
 from trainer.snapshots import publish, read_current, read_manifest
@@ -420,12 +421,14 @@ def test_rollback_when_the_new_version_is_worse(tmp_path):
     (tmp_path / "logs").mkdir()
     daemon = _daemon(tmp_path)
     assert daemon.state.version == 1
-    pending = {"decision": 1, "arm": "full-1", "tau_before": 3.0, "tau_new": 3.5, "shadow_gain": 0.2, "seen": 0}
-    v2 = publish(tmp_path / "pub", daemon.drafter.save_pretrained, {"kind": "drafter", "decision": pending})
+    pending = PendingDecision(
+        decision=1, arm="full-1", tau_before=3.0, tau_before_se=0.0, tau_new=3.5, shadow_gain=0.2, seen=0
+    )
+    v2 = publish(tmp_path / "pub", daemon.drafter.save_pretrained, {"kind": "drafter", "decision": pending.to_json()})
     daemon.close()
     _write_log(tmp_path / "logs", "seg-000001-1000", v2, accepted=[1])  # τ 2 < 3 - margin
     restarted = _daemon(tmp_path)  # adopts v2 and its pending decision from the manifest
-    assert restarted.state.version == v2 and restarted.state.pending["tau_before"] == 3.0
+    assert restarted.state.version == v2 and restarted.state.pending == pending
     assert restarted.run(once=True) == 0
     version, path = read_current(tmp_path / "pub")
     assert version == v2 + 1 and read_manifest(path)["rollback_of"] == 1
@@ -458,10 +461,31 @@ def test_a_state_file_of_another_version_is_refused_by_name(tmp_path):
     path.write_text(json.dumps({**saved, "arms": {"full-1": short_arm}}))
     with pytest.raises(StateError, match=r"arm statistics \['full-1'\] without the keys"):
         _daemon(tmp_path)
+    # The pending decision is a record of its own: it reads back as written, and a key short is refused.
+    pending = PendingDecision(
+        decision=3, arm="full-1", tau_before=3.0, tau_before_se=0.1, tau_new=3.4, shadow_gain=0.2, seen=9
+    )
+    with_pending = json.loads(json.dumps({**saved, "pending": pending.to_json()}))
+    assert DaemonState.from_json(with_pending, path).pending == pending
+    del with_pending["pending"]["seen"]
+    with pytest.raises(StateError, match=r"pending decision with keys .* not \['arm', 'decision'"):
+        DaemonState.from_json(with_pending, path)
     del saved["version"]
     path.write_text(json.dumps(saved))
     with pytest.raises(StateError, match=r"lacks \['version'\]"):
         _daemon(tmp_path)
+
+
+def test_the_drafter_of_a_training_run_is_published_first(tmp_path):
+    """``--drafter`` takes a training run as ``trainer eval`` does: its HF export is the first version."""
+    (tmp_path / "logs").mkdir()
+    run = make_run(tmp_path / "run", DFLASH_TINY)
+    daemon = BanditDaemon(tmp_path / "logs", run, tmp_path / "pub", tmp_path / "state", TINY_TARGET)
+    daemon.close()
+    version, directory = read_current(tmp_path / "pub")
+    assert version == 1 and read_manifest(directory)["source"] == str(run / "lightning_logs" / "version_0" / "hf")
+    published, shipped = (load_file(d / "model.safetensors") for d in (directory, DFLASH_TINY))
+    assert published.keys() == shipped.keys() and all(torch.equal(published[k], shipped[k]) for k in shipped)
 
 
 def test_an_updates_version_inherits_the_reference_tau(tmp_path):
@@ -470,10 +494,11 @@ def test_an_updates_version_inherits_the_reference_tau(tmp_path):
     daemon = _daemon(tmp_path)
     daemon.state.ref["1"] = 4.5
     daemon.commit()
-    pending = {"decision": 1, "arm": "full-1", "tau_before": 3.5, "tau_new": 4.2, "shadow_gain": 0.2, "seen": 0}
-    v2 = publish(
-        tmp_path / "pub", daemon.drafter.save_pretrained, {"kind": "drafter", "parent": 1, "decision": pending}
+    pending = PendingDecision(
+        decision=1, arm="full-1", tau_before=3.5, tau_before_se=0.0, tau_new=4.2, shadow_gain=0.2, seen=0
     )
+    manifest = {"kind": "drafter", "parent": 1, "decision": pending.to_json()}
+    v2 = publish(tmp_path / "pub", daemon.drafter.save_pretrained, manifest)
     daemon.close()
     _write_log(tmp_path / "logs", "seg-000001-1000", v2, accepted=[3])  # τ 4
     restarted = _daemon(tmp_path)

@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 
 from trainer.adapt import graft as graft_module
 from trainer.adapt.candidates import SCALE, CandidateTable
-from trainer.adapt.graft import METRICS, QUARANTINE, STATE_FILE, GraftConfig, run_graft
+from trainer.adapt.graft import STATE_FILE, GraftConfig, run_graft
+from trainer.adapt.journal import METRICS, QUARANTINE
 from trainer.errors import UserError
 from trainer.snapshots import (
     ADJACENCY,
@@ -31,7 +32,9 @@ from trainer.snapshots import (
     publish,
     read_current,
     read_manifest,
+    snapshot_kind,
     tenant_filename,
+    version_path,
 )
 from trainer.vlog.schema import request_record, segment_stem, step_record
 from trainer.vlog.workers import DecodePool
@@ -60,6 +63,19 @@ def test_publish_versions_parent_and_retention(tmp_path):
     assert read_manifest(directory) == {"records": 7, "version": 7, "parent": 6}
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("v")) == ["v000005", "v000006", "v000007"]
     assert load_adjacency(directory).eq(7).all()
+
+
+def test_a_versions_directory_and_what_it_holds(tmp_path):
+    """A server tells a graft matrix from a drafter by the version's files; a version holding neither is refused."""
+    root = tmp_path / "pub"
+    adjacency = publish(root, _adjacency_payload(torch.zeros(4, 2, dtype=torch.int32)), {})
+    drafter = publish(root, lambda d: (d / "config.json").write_text("{}"), {})
+    empty = publish(root, lambda d: None, {})
+    assert version_path(root, empty) == read_current(root)[1] == root / "v000003"
+    assert snapshot_kind(version_path(root, adjacency)) == "adjacency"
+    assert snapshot_kind(version_path(root, drafter)) == "drafter"
+    with pytest.raises(PublishError, match=r"holds neither adjacency\.safetensors nor a drafter's config\.json"):
+        snapshot_kind(version_path(root, empty))
 
 
 def test_publish_failure_keeps_previous_snapshot(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ from trainer.decoding.verify import Sampling
 from trainer.drafters import load_drafter
 from trainer.errors import UserError
 from trainer.evaluate import refresh_adjacency
-from trainer.snapshots import load_adjacency, publish
+from trainer.snapshots import load_adjacency, publish, version_path
 
 
 @pytest.fixture(scope="module")
@@ -417,7 +417,7 @@ def test_eval_and_the_server_merge_a_snapshot_by_one_rule(shipped, tmp_path):
     snapshot = torch.randint(0, 8192, (8192, 4))
     version = publish(tmp_path, lambda d: save_file({"adjacency": snapshot}, str(d / "adjacency.safetensors")), {})
     refresh_adjacency(memory, tmp_path)
-    engine.set_adjacency(load_adjacency(tmp_path / f"v{version:06d}"), version)
+    engine.set_adjacency(load_adjacency(version_path(tmp_path, version)), version)
     assert torch.equal(memory.adjacency, engine.recycling.adjacency)
     assert memory.version == engine.recycling.version == version
     assert torch.equal(memory.adjacency[~learnt], snapshot[~learnt])

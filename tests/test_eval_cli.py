@@ -9,6 +9,7 @@ from conftest import make_tiny_target
 from trainer.cli import main
 from trainer.drafters.dflash import DFlashDraftModel, build_config
 from trainer.drafters.treeflash import TreeFlashDraftModel
+from trainer.snapshots import version_path
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +151,7 @@ def publish_adjacency(root, version: int, adjacency) -> None:
     """A snapshot in the published layout: ``root/vNNNNNN/adjacency.safetensors`` named by ``root/current``."""
     from safetensors.torch import save_file
 
-    directory = root / f"v{version:06d}"
+    directory = version_path(root, version)
     directory.mkdir(parents=True)
     save_file({"adjacency": adjacency}, str(directory / "adjacency.safetensors"))
     (directory / "manifest.json").write_text(json.dumps({"version": version}))

@@ -1,6 +1,6 @@
 """The server in process (no subprocess): the worker's step records name the drafter and version that drafted
 each step, every request ends (an engine failure is an OpenAI-shaped 5xx, streamed or not, and the server serves
-on), and generation stops at the chat template's own end-of-turn token."""
+on), generation stops at the chat template's own end-of-turn token, and ``--drafter`` takes a training run."""
 
 import json
 import shutil
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_TARGET
+from conftest import ROOT, TINY_TARGET, make_run
 from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -18,6 +18,7 @@ from trainer.data.render import end_of_text_ids, stop_token_ids
 from trainer.decoding.batch import BatchEngine, BatchRequest, Fixed
 from trainer.drafters import load_drafter
 from trainer.serve.app import Limits, build_app, stop_ids_of
+from trainer.serve.cli import load_models, parser
 from trainer.serve.metrics import Metrics
 from trainer.serve.worker import Identity, Worker
 from trainer.snapshots import publish
@@ -264,3 +265,12 @@ def test_a_template_without_a_one_token_end_of_turn_still_serves(caplog):
         stops = stop_ids_of(tokenizer, None)
     assert stops == frozenset(end_of_text_ids(tokenizer, None)) and tokenizer.eos_token_id in stops
     assert "end-of-text tokens only" in caplog.text
+
+
+def test_the_drafter_of_a_training_run_is_served(tmp_path):
+    """``trainer serve --drafter RUN`` serves the run's HF export, as ``trainer eval --drafter RUN`` evaluates it."""
+    run = make_run(tmp_path / "run", DRAFTER)
+    _, drafter = load_models(parser().parse_args(["--drafter", str(run), "--device", "cpu"]))
+    shipped = load_drafter(DRAFTER).state_dict()
+    assert drafter.state_dict().keys() == shipped.keys()
+    assert all(torch.equal(v, shipped[k]) for k, v in drafter.state_dict().items())

@@ -44,8 +44,9 @@ def run(args: list[str], logs: Path) -> str:
 def read_log(logs: Path) -> tuple[dict[str, list[dict]], dict[str, dict]]:
     """Step records per request (in order) and request records; every line must pass the validator."""
     steps, requests = defaultdict(list), {}
-    for stem, offset, _, record in LogReader(logs, {}, vocab_size=VOCAB):
-        assert not isinstance(record, RecordError), f"{stem}@{offset}: {record}"
+    for item in LogReader(logs, {}, vocab_size=VOCAB):
+        record = item.record
+        assert not isinstance(record, RecordError), f"{item.segment}@{item.start}: {record}"
         if record["kind"] == "step":
             steps[record["request"]].append(record)
         else:

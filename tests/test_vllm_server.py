@@ -51,7 +51,7 @@ def complete(url: str, i: int) -> httpx.Response:
 
 def log_records(logs: Path) -> list[dict]:
     """Every record in ``logs``, each valid (an unfinished ``.part`` is read up to its last whole line)."""
-    records = [record for _, _, _, record in LogReader(logs, {}, vocab_size=VOCAB)]
+    records = [item.record for item in LogReader(logs, {}, vocab_size=VOCAB)]
     assert not [r for r in records if isinstance(r, RecordError)], records
     return records
 

@@ -7,13 +7,14 @@ import math
 import os
 import time
 import tracemalloc
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 import torch
 
 from trainer.errors import UserError
-from trainer.vlog.reader import LogReader
+from trainer.vlog.reader import Item, LogReader
 from trainer.vlog.recorder import _log_softmax
 from trainer.vlog.schema import RecordError, request_record, step_record, validate
 from trainer.vlog.writer import CHECKED_FIRST, LogWriter
@@ -156,9 +157,14 @@ def test_vocabulary_is_checked_only_when_known():
 
 
 # ---- writer -> reader ---------------------------------------------------------------------------------------
-def read_all(directory, offsets=None, **kw) -> tuple[list, LogReader]:
+def read_all(directory, offsets=None, **kw) -> tuple[list[Item], LogReader]:
     reader = LogReader(directory, offsets, vocab_size=V, **kw)
     return list(reader), reader
+
+
+def records_of(items: Iterable[Item]) -> list:
+    """The record (or rejection) of each line."""
+    return [item.record for item in items]
 
 
 def test_round_trip_with_rotation(tmp_path):
@@ -175,11 +181,11 @@ def test_round_trip_with_rotation(tmp_path):
     assert not [n for n in names if n.endswith(".part")]
     assert all(os.path.getsize(tmp_path / s) <= 4000 for s in writer.segments)
     items, reader = read_all(tmp_path)
-    got = [r for _, _, _, r in items]
+    got = records_of(items)
     assert [r for r in got if r["server"] == "s" and r["request"] != "from-1"] == records
     assert sum(r["request"] == "from-1" for r in got) == 1
     # Offsets cover every byte; a second reader resuming from them finds nothing new.
-    assert all(reader.offsets[f] == os.path.getsize(tmp_path / f"{f}.jsonl") for f, *_ in items)
+    assert all(reader.offsets[f] == os.path.getsize(tmp_path / f"{f}.jsonl") for f in {i.segment for i in items})
     assert read_all(tmp_path, reader.offsets)[0] == []
 
 
@@ -195,7 +201,7 @@ def test_time_rotation_finishes_an_idle_segment(tmp_path):
         assert len(writer.segments) == 1
         writer.write(step(request="later"))
     assert len(writer.segments) == 2
-    assert [r["request"] for *_, r in read_all(tmp_path)[0]] == ["r0", "later"]
+    assert [r["request"] for r in records_of(read_all(tmp_path)[0])] == ["r0", "later"]
 
 
 def test_writer_refuses_an_invalid_record_and_goes_on(tmp_path):
@@ -208,7 +214,7 @@ def test_writer_refuses_an_invalid_record_and_goes_on(tmp_path):
     assert error.value.__notes__[0].startswith("2 failure(s) on the writer thread")
     writer.flush()
     writer.close()
-    assert [r["request"] for *_, r in read_all(tmp_path)[0]] == ["good"]
+    assert [r["request"] for r in records_of(read_all(tmp_path)[0])] == ["good"]
 
 
 def test_a_sampling_writer_checks_its_first_records_and_one_in_n_and_readers_check_every_line(tmp_path):
@@ -222,7 +228,7 @@ def test_a_sampling_writer_checks_its_first_records_and_one_in_n_and_readers_che
     writer.write(step(request="unchecked", root=V))  # record 1001: not validated, written
     writer.close()
     items, _ = read_all(tmp_path)
-    tail = [(r.get("request"), None) if isinstance(r, dict) else (None, str(r)) for *_, r in items[-2:]]
+    tail = [(r.get("request"), None) if isinstance(r, dict) else (None, str(r)) for r in records_of(items[-2:])]
     assert len(items) == CHECKED_FIRST + 2 and tail[0] == ("valid", None)
     assert "outside the vocabulary" in tail[1][1]
 
@@ -232,7 +238,7 @@ def test_a_full_queue_makes_write_wait_not_drop(tmp_path):
         for i in range(40):
             writer.write(step(request=str(i)))
             assert len(writer._queue) <= 4
-    assert [r["request"] for *_, r in read_all(tmp_path)[0]] == [str(i) for i in range(40)]
+    assert [r["request"] for r in records_of(read_all(tmp_path)[0])] == [str(i) for i in range(40)]
 
 
 def test_one_live_writer_per_prefix_and_a_dead_ones_part_is_finished(tmp_path):
@@ -246,9 +252,9 @@ def test_one_live_writer_per_prefix_and_a_dead_ones_part_is_finished(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [".w.lock", "w-000003-1700000000000.jsonl", writer.segments[0]]
     assert writer.segments[0].startswith("w-000004-")
     items = read_all(tmp_path)[0]
-    assert [type(r) for *_, r in items] == [dict, RecordError, dict]
-    assert items[1][3].reason == "unterminated last line (truncated)"
-    assert items[1][1] == len(line)
+    assert [type(r) for r in records_of(items)] == [dict, RecordError, dict]
+    assert items[1].record.reason == "unterminated last line (truncated)"
+    assert items[1].start == len(line)
 
 
 # ---- reader against a live or hostile directory ---------------------------------------------------------------
@@ -257,16 +263,16 @@ def test_partial_last_line_is_waited_for_and_the_rename_keeps_offsets(tmp_path):
     lines = [(json.dumps(step(request=f"r{i}")) + "\n").encode() for i in range(3)]
     part.write_bytes(lines[0] + lines[1][:40])
     reader = LogReader(tmp_path, vocab_size=V)
-    assert [r["request"] for *_, r in reader] == ["r0"]
+    assert [r["request"] for r in records_of(reader)] == ["r0"]
     assert list(reader) == []  # still unfinished: no error, no progress
     with open(part, "ab") as f:
         f.write(lines[1][40:] + lines[2][:10])
-    assert [r["request"] for *_, r in reader] == ["r1"]
+    assert [r["request"] for r in records_of(reader)] == ["r1"]
     # The writer completes the line and finishes the segment between two polls.
     with open(part, "ab") as f:
         f.write(lines[2][10:])
     part.rename(tmp_path / "w-000000-1700000000000.jsonl")
-    assert [(r["request"], o) for _, o, _, r in reader] == [("r2", len(lines[0]) + len(lines[1]))]
+    assert [(i.record["request"], i.start) for i in reader] == [("r2", len(lines[0]) + len(lines[1]))]
     assert list(reader) == []
     assert reader.offsets == {"w-000000-1700000000000": sum(map(len, lines))}
 
@@ -295,11 +301,11 @@ def test_hostile_lines_are_rejected_with_their_reason_between_good_ones(tmp_path
     line = line if isinstance(line, bytes) else line.encode()
     (tmp_path / "w-000000-1700000000000.jsonl").write_bytes(good + line + b"\n" + good)
     items = read_all(tmp_path)[0]
-    assert [type(r) for *_, r in items] == [dict, RecordError, dict]
-    name, offset, end, error = items[1]
-    assert (name, offset, end) == ("w-000000-1700000000000", len(good), len(good) + len(line) + 1)
+    assert [type(r) for r in records_of(items)] == [dict, RecordError, dict]
+    item, error = items[1], items[1].record
+    assert (item.segment, item.start, item.end) == ("w-000000-1700000000000", len(good), len(good) + len(line) + 1)
     assert expected in error.reason
-    assert (error.file, error.offset) == (name, offset)
+    assert (error.file, error.offset) == (item.segment, item.start)
 
 
 def test_a_10mb_line_is_an_error_read_in_bounded_chunks(tmp_path):
@@ -310,13 +316,13 @@ def test_a_10mb_line_is_an_error_read_in_bounded_chunks(tmp_path):
     items = list(LogReader(tmp_path, vocab_size=V, max_line_bytes=1 << 20, chunk_bytes=1 << 16))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert [type(r) for *_, r in items] == [dict, RecordError, dict]
-    assert items[1][3].reason == f"line of {len(huge) - 1} bytes exceeds the {1 << 20}-byte limit"
-    assert items[1][1:3] == (len(good), len(good) + len(huge))
+    assert [type(r) for r in records_of(items)] == [dict, RecordError, dict]
+    assert items[1].record.reason == f"line of {len(huge) - 1} bytes exceeds the {1 << 20}-byte limit"
+    assert (items[1].start, items[1].end) == (len(good), len(good) + len(huge))
     # Never the whole line in memory: at most the limit plus a chunk or two.
     assert peak < 3 << 20
     # The default limit (8 MiB) rejects it too.
-    assert [type(r) for *_, r in LogReader(tmp_path)] == [dict, RecordError, dict]
+    assert [type(r) for r in records_of(LogReader(tmp_path))] == [dict, RecordError, dict]
 
 
 def test_an_oversized_line_in_an_unfinished_segment_is_waited_for_then_rejected(tmp_path):
@@ -327,8 +333,8 @@ def test_an_oversized_line_in_an_unfinished_segment_is_waited_for_then_rejected(
     with open(part, "ab") as f:
         f.write(b"\n" + json.dumps(step()).encode() + b"\n")
     items = list(reader)
-    assert [type(r) for *_, r in items] == [RecordError, dict]
-    assert "line of 5000 bytes" in items[0][3].reason
+    assert [type(r) for r in records_of(items)] == [RecordError, dict]
+    assert "line of 5000 bytes" in items[0].record.reason
 
 
 def test_empty_and_foreign_files_yield_nothing(tmp_path):
@@ -358,8 +364,8 @@ def test_following_a_rotating_writer_reads_every_record_once(tmp_path):
     stop = threading.Event()
     seen = []
     deadline = time.monotonic() + 60
-    for _, _, _, record in LogReader(tmp_path, vocab_size=V).follow(stop, interval=0.001):
-        seen.append(record["request"])
+    for item in LogReader(tmp_path, vocab_size=V).follow(stop, interval=0.001):
+        seen.append(item.record["request"])
         if len(seen) == n or time.monotonic() > deadline:
             stop.set()
     producer.join()
@@ -395,7 +401,7 @@ while True:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".part")]
-    requests = [r["request"] for *_, r in LogReader(tmp_path)]
+    requests = [r["request"] for r in records_of(LogReader(tmp_path))]
     # Everything written before the signal, in order, nothing torn.
     assert len(requests) > 200 and requests == [str(i) for i in range(len(requests))]
 
@@ -426,7 +432,7 @@ def test_recorder_logs_the_targets_topk_whether_reduced_here_or_on_the_writer_th
         for event in events:
             recorder(event)
         recorder.finish([1, 2], [5, 10, 12, 7])
-    records = [r for *_, r in LogReader(tmp_path, vocab_size=V)]
+    records = records_of(LogReader(tmp_path, vocab_size=V))
     assert [r["kind"] for r in records] == ["step"] * 12 + ["request"]
     for event, r in zip(events, records, strict=False):
         expected = event.logits.log_softmax(-1).topk(9, dim=-1)
@@ -503,7 +509,7 @@ def test_eval_logs_reproduce_every_speculative_run(tmp_path):
          "0.7", "--out", str(tmp_path / "out"), "--check-lossless", "--ignore-eos", "--logs", str(tmp_path / "logs")]
     )  # fmt: skip
     items = list(LogReader(tmp_path / "logs", vocab_size=config.vocab_size))
-    records = [r for *_, r in items]
+    records = records_of(items)
     assert all(isinstance(r, dict) for r in records), [r for r in records if not isinstance(r, dict)]
     requests = {r["request"]: r for r in records if r["kind"] == "request"}
     runs = {f"{c}/{t}/4/p{i}" for c in ("T=0.7", "greedy") for t in ("ddtree", "recycling") for i in range(2)}

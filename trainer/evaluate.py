@@ -44,7 +44,7 @@ from trainer.drafters import load_drafter
 from trainer.errors import ArgumentParser, UserError
 from trainer.io import write_text_atomic
 from trainer.paths import project_path
-from trainer.runs import recipe_target, resolve_drafter
+from trainer.runs import resolve_drafter
 from trainer.snapshots import load_adjacency, read_current
 from trainer.target import load_causal_lm
 from trainer.textstats import ends_in_loop, ngram_repetition
@@ -433,11 +433,11 @@ def main(argv: list[str]) -> None:
 
     drafter, target_name = None, args.target
     if args.drafter is not None:
-        hf, recipe = resolve_drafter(project_path(args.drafter))
+        hf, run_target = resolve_drafter(args.drafter)
         if target_name is None:
-            if recipe is None:
+            if run_target is None:
                 raise UserError(f"{hf} comes without a run recipe naming its target; pass --target")
-            target_name = recipe_target(recipe)
+            target_name = run_target
         drafter = load_drafter(hf, dtype).to(device)
     elif any(BUILDERS[t].session is not RecyclingSession for t in trees):
         raise UserError(f"trees {trees} need a drafter: pass --drafter")

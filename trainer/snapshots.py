@@ -6,6 +6,10 @@ Layout of a publish directory ``PUB``::
     PUB/v000007/manifest.json   version, parent, what it was built from, metrics
     PUB/v000007/adjacency.safetensors        (graft) tensor ``adjacency`` (V, k) token ids, -1 = empty
     PUB/v000007/tenant-NAME.safetensors      (graft) a tenant's delta: ``rows`` (R,) and ``adjacency`` (R, k)
+    PUB/v000007/config.json, model.safetensors   (bandit) a drafter's HF directory
+
+What a version holds (``snapshot_kind``) is told by the file that marks it: ``adjacency.safetensors`` or
+``config.json``.
 
 A version is written into a temporary directory ``vNNNNNN.partial``, its files fsynced, then renamed to
 ``vNNNNNN`` (``trainer.io.write_dir_atomic``); only then is ``current`` replaced (``write_text_atomic``). A kill at any
@@ -29,6 +33,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from hashlib import sha256
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import SafetensorError
@@ -40,6 +45,7 @@ from trainer.io import write_dir_atomic, write_text_atomic
 CURRENT = "current"
 MANIFEST = "manifest.json"
 ADJACENCY = "adjacency.safetensors"
+DRAFTER_CONFIG = "config.json"
 ADJACENCY_TENSOR = "adjacency"
 DELTA_ROWS = "rows"
 _VERSION_DIR = re.compile(r"v(\d{6,})")
@@ -60,6 +66,22 @@ def tenant_filename(tenant: str) -> str:
         # '~' is never produced by the encoding above, so a hashed name cannot equal an encoded one.
         encoded = "~" + sha256(tenant.encode()).hexdigest()
     return f"tenant-{encoded}.safetensors"
+
+
+def version_path(root: Path, version: int) -> Path:
+    """The directory of ``version`` under the publish directory ``root`` (whether or not it exists)."""
+    return Path(root) / f"v{version:06d}"
+
+
+def snapshot_kind(version_dir: Path) -> Literal["adjacency", "drafter"]:
+    """What a published version holds: a graft adjacency matrix or a drafter (``load_adjacency`` or
+    ``trainer.drafters.load_drafter`` reads it); :class:`PublishError` when it holds neither."""
+    version_dir = Path(version_dir)
+    if (version_dir / ADJACENCY).is_file():
+        return "adjacency"
+    if (version_dir / DRAFTER_CONFIG).is_file():
+        return "drafter"
+    raise PublishError(f"{version_dir} holds neither {ADJACENCY} nor a drafter's {DRAFTER_CONFIG}")
 
 
 def _versions(root: Path) -> list[int]:
@@ -104,7 +126,7 @@ def publish(root: Path, payload: Callable[[Path], None], manifest: dict, keep: i
             current = read_current(root) if root.is_dir() else None
         except PublishError:
             current = None
-        still = f"v{current[0]:06d} is still current" if current else "nothing is current"
+        still = f"{current[1].name} is still current" if current else "nothing is current"
         raise PublishError(f"could not publish a snapshot into {root}: {_reason(e)}; {still}") from e
 
 
@@ -115,7 +137,7 @@ def _publish_locked(root: Path, payload: Callable[[Path], None], manifest: dict,
     # A kill between the directory rename and the pointer swap leaves a complete but unnamed version; the next
     # one is numbered past it so that version numbers never repeat.
     version = max([0, *_versions(root)]) + 1
-    name = f"v{version:06d}"
+    name = version_path(root, version).name
 
     def save(tmp: Path) -> None:
         tmp.mkdir()
@@ -130,7 +152,7 @@ def _publish_locked(root: Path, payload: Callable[[Path], None], manifest: dict,
         raise
     write_text_atomic(root / CURRENT, f"{name}\n")
     for old in _versions(root)[:-keep]:
-        shutil.rmtree(root / f"v{old:06d}", ignore_errors=True)
+        shutil.rmtree(version_path(root, old), ignore_errors=True)
     return version
 
 

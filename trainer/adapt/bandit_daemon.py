@@ -68,10 +68,12 @@ from trainer.adapt.bandit import (
     step_tokens,
 )
 from trainer.adapt.journal import (
+    METRICS,
+    QUARANTINE,
     StateError,
     append_lines,
     lock_state_dir,
-    quarantine_lines,
+    quarantine,
     run_until_signalled,
     truncate_to,
 )
@@ -81,7 +83,8 @@ from trainer.drafters.families import family_of
 from trainer.errors import UserError
 from trainer.io import write_text_atomic
 from trainer.paths import project_path
-from trainer.snapshots import publish, read_current, read_manifest
+from trainer.runs import resolve_drafter
+from trainer.snapshots import MANIFEST, publish, read_current, read_manifest, version_path
 from trainer.target import Target, load_causal_lm
 from trainer.training.step import (
     BlockStepOptions,
@@ -100,9 +103,7 @@ from trainer.vlog.reader import LogReader
 from trainer.vlog.schema import RecordError
 
 STATE_FILE = "state.json"
-QUARANTINE = "quarantine.jsonl"
 DECISIONS = "decisions.jsonl"
-METRICS = "metrics.json"
 ALARM_EXIT = 3
 PENDING_REQUESTS = 512
 DEFAULT_CONFIG = BanditConfig()
@@ -136,14 +137,53 @@ def broken(drafter: torch.nn.Module) -> str | None:
 
 
 @dataclass
+class PendingDecision:
+    """A published update awaiting its outcome: stored in ``state.json`` and in the version's manifest
+    (``decision``), so a restart that adopts the version judges it the same way."""
+
+    decision: int  # its number in the decision log
+    arm: str
+    # Live τ of the version it replaced and that τ's standard error; the τ the decision predicted.
+    tau_before: float
+    tau_before_se: float
+    tau_new: float
+    shadow_gain: float
+    seen: int  # requests the replay had seen when the candidate was trained
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: object, path: Path) -> PendingDecision:
+        """The pending decision stored in ``path``; a StateError when its keys are not exactly the fields."""
+        keys = {f.name for f in fields(cls)}
+        if not isinstance(obj, dict) or set(obj) != keys:
+            got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+            raise StateError(
+                f"{path} holds a pending decision with keys {got}, not {sorted(keys)}: another version of the "
+                "bandit daemon wrote it"
+            )
+        return cls(**obj)
+
+
+def _adopted(version_dir: Path) -> tuple[int | None, PendingDecision | None]:
+    """A published version's parent and the decision that published it (None for a first or rolled-back
+    version), from its manifest."""
+    manifest = read_manifest(version_dir)
+    decision = manifest.get("decision")
+    pending = None if decision is None else PendingDecision.from_json(decision, version_dir / MANIFEST)
+    return manifest.get("parent"), pending
+
+
+@dataclass
 class DaemonState:
     """What ``STATE/state.json`` holds: everything a restart needs to go on where the last commit left off. Keys of
     the per-version maps are version numbers as strings (JSON object keys)."""
 
     version: int
     previous: int | None
-    # The decision whose version is being judged (its arm, τ before, replay position), or None.
-    pending: dict | None
+    # The decision whose version is being judged, or None.
+    pending: PendingDecision | None
     # Per version: how many requests the replay had seen when its drafter was trained (novelty).
     trained_at: dict[str, int]
     replay: dict  # Replay.to_json()
@@ -186,7 +226,8 @@ class DaemonState:
                 f"the bandit state {path} holds arm statistics {foreign} without the keys {sorted(arm_keys)}: another "
                 "version wrote it; move it away to start afresh"
             )
-        return cls(**obj)
+        pending = obj["pending"]
+        return cls(**{**obj, "pending": None if pending is None else PendingDecision.from_json(pending, path)})
 
 
 class BanditDaemon:
@@ -260,23 +301,25 @@ class BanditDaemon:
 
     # ---- state -------------------------------------------------------------------------------------------
     def _fresh_state(self, drafter_dir: Path) -> DaemonState:
-        """Publish ``--drafter`` as the first version unless one is current, and start counting from it."""
+        """Publish ``--drafter`` (an HF directory or a training run, ``trainer.runs``) as the first version unless
+        one is current, and start counting from it."""
         current = read_current(self.publish_dir)
         previous, pending = None, None
         if current is None:
-            model = load_drafter(project_path(drafter_dir))
+            hf, _ = resolve_drafter(drafter_dir)
+            model = load_drafter(hf)
             if reason := broken(model):
                 raise UserError(f"--drafter {drafter_dir}: {reason}")
-            version = publish(self.publish_dir, model.save_pretrained, {"kind": "drafter", "source": str(drafter_dir)})
+            version = publish(self.publish_dir, model.save_pretrained, {"kind": "drafter", "source": str(hf)})
         else:
             # Served already (a state directory lost or moved): resume from the version and its decision.
-            manifest = read_manifest(current[1])
-            version, previous, pending = current[0], manifest.get("parent"), manifest.get("decision")
+            version = current[0]
+            previous, pending = _adopted(current[1])
         return DaemonState(
             version=version,
             previous=previous,
             pending=pending,
-            trained_at={str(version): (pending or {}).get("seen", 0)},
+            trained_at={str(version): pending.seen if pending else 0},
             replay=Replay(self.config.buffer_requests, self.config.holdout_every).to_json(),
         )
 
@@ -291,10 +334,9 @@ class BanditDaemon:
         current = read_current(self.publish_dir)
         if current is not None and current[0] != state.version:
             # Published after the last commit: adopt the version with the decision its manifest carries.
-            manifest = read_manifest(current[1])
-            state.previous, state.version = manifest.get("parent", state.version), current[0]
-            state.pending = manifest.get("decision")
-            state.trained_at[str(current[0])] = (state.pending or {}).get("seen", state.replay["seen"])
+            parent, state.pending = _adopted(current[1])
+            state.previous, state.version = parent, current[0]
+            state.trained_at[str(current[0])] = state.pending.seen if state.pending else state.replay["seen"]
         return state
 
     def commit(self) -> None:
@@ -330,11 +372,7 @@ class BanditDaemon:
         return LiveTau.from_json(obj) if obj else LiveTau(self.config.window_steps)
 
     def _log(self, entry: dict) -> None:
-        path = self.state_dir / DECISIONS
-        try:
-            self.state.decisions_bytes = append_lines(path, [{"time": time.time(), **entry}])
-        except OSError as e:
-            raise StateError(f"cannot append to {path}: {e.strerror}") from e
+        self.state.decisions_bytes = append_lines(self.state_dir / DECISIONS, [{"time": time.time(), **entry}])
 
     # ---- reading -----------------------------------------------------------------------------------------
     def read(self) -> int:
@@ -343,8 +381,9 @@ class BanditDaemon:
         replay = Replay.from_json(self.state.replay)
         pending = self.state.pending_steps
         errors, n = [], 0
-        for _, _, _, record in self.reader:
+        for item in self.reader:
             n += 1
+            record = item.record
             if isinstance(record, RecordError):
                 errors.append(record)
                 continue
@@ -369,11 +408,7 @@ class BanditDaemon:
                 replay.add(record["prompt_ids"], record["output_ids"], steps)
                 self.state.requests += 1
         if errors:
-            path = self.state_dir / QUARANTINE
-            try:
-                self.state.quarantine_bytes = append_lines(path, quarantine_lines(errors))
-            except OSError as e:
-                raise StateError(f"cannot append to {path}: {e.strerror}; restart once it is writable") from e
+            self.state.quarantine_bytes = quarantine(self.state_dir, errors)
             self.state.quarantined += len(errors)
         for key, value in live.items():
             self.state.live[key] = value.to_json()
@@ -394,7 +429,7 @@ class BanditDaemon:
         return None if name == record["drafter"] else "other drafter"
 
     def _is_published(self, version: int) -> bool:
-        if version not in self._published and version >= 1 and (self.publish_dir / f"v{version:06d}").is_dir():
+        if version not in self._published and version >= 1 and version_path(self.publish_dir, version).is_dir():
             self._published.add(version)
         return version in self._published
 
@@ -435,14 +470,14 @@ class BanditDaemon:
         self.alarm = f"live tau {tau:.3f} of version {self.state.version} collapsed (best {best:.3f})"
         entry = {"event": "alarm", "version": self.state.version, "tau": tau, "best_tau": best}
         previous = self.state.previous
-        if previous is not None and (self.publish_dir / f"v{previous:06d}").is_dir():
+        if previous is not None and version_path(self.publish_dir, previous).is_dir():
             entry["rolled_back_to"] = self._republish(previous, "alarm")
         self._log(entry)
         self.console.print(f"[bold red]ALARM[/] {self.alarm}", soft_wrap=True)
 
     def _republish(self, version: int, why: str) -> int:
         """Publish the drafter of an earlier version again, as a new version."""
-        model = self._load_drafter(self.publish_dir / f"v{version:06d}")
+        model = self._load_drafter(version_path(self.publish_dir, version))
         new = publish(self.publish_dir, model.save_pretrained, {"kind": "drafter", "rollback_of": version, "why": why})
         self.state.trained_at[str(new)] = self.state.trained_at.get(str(version), 0)
         self.state.previous, self.state.version = None, new
@@ -454,16 +489,16 @@ class BanditDaemon:
     def _judge(self, live: LiveTau) -> None:
         """The realised outcome of the last published update: learn from it, roll back if worse."""
         pending = self.state.pending
-        realised = live.tau - pending["tau_before"]
-        se = math.hypot(pending.get("tau_before_se", 0.0), live.se)
-        stats = ArmStats.from_json(self.state.arms[pending["arm"]])
-        weight = outcome_weight(se / pending["tau_before"], self.config)
-        stats.live.add((pending["shadow_gain"], 1.0), realised / pending["tau_before"], weight)
-        self.state.arms[pending["arm"]] = stats.to_json()
-        entry = {"event": "outcome", "decision": pending["decision"], "arm": pending["arm"], "tau": live.tau}
-        entry |= {"tau_before": pending["tau_before"], "realised_gain": realised, "predicted": pending["tau_new"]}
+        realised = live.tau - pending.tau_before
+        se = math.hypot(pending.tau_before_se, live.se)
+        stats = ArmStats.from_json(self.state.arms[pending.arm])
+        weight = outcome_weight(se / pending.tau_before, self.config)
+        stats.live.add((pending.shadow_gain, 1.0), realised / pending.tau_before, weight)
+        self.state.arms[pending.arm] = stats.to_json()
+        entry = {"event": "outcome", "decision": pending.decision, "arm": pending.arm, "tau": live.tau}
+        entry |= {"tau_before": pending.tau_before, "realised_gain": realised, "predicted": pending.tau_new}
         self.state.pending = None
-        if rolled_back(pending["tau_before"], live.tau, self.config, se) and self.state.previous is not None:
+        if rolled_back(pending.tau_before, live.tau, self.config, se) and self.state.previous is not None:
             entry["rolled_back_to"] = self._republish(self.state.previous, "rollback")
         self._log(entry)
 
@@ -520,10 +555,8 @@ class BanditDaemon:
         if candidate is not None and (reason := broken(candidate)) is not None:
             entry["failed"] = reason
         elif candidate is not None and should_publish(rates, tau_new, self.config):
-            pending = {"decision": self.state.decisions, "arm": arm_name, "tau_before": rates.tau}
-            pending["tau_before_se"] = live.se
-            pending |= {"tau_new": tau_new, "shadow_gain": gain, "seen": replay.seen}
-            manifest = {"kind": "drafter", "parent": version, "decision": pending}
+            pending = PendingDecision(self.state.decisions, arm_name, rates.tau, live.se, tau_new, gain, replay.seen)
+            manifest = {"kind": "drafter", "parent": version, "decision": pending.to_json()}
             new = publish(self.publish_dir, candidate.save_pretrained, manifest, keep=self.keep)
             self.state.trained_at[str(new)] = replay.seen
             entry["published"] = new

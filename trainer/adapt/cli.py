@@ -74,7 +74,7 @@ def bandit_parser() -> ArgumentParser:
         "--drafter",
         type=Path,
         required=True,
-        help="drafter HF directory served first (DFlash, TreeFlash, EAGLE-3, SpecBlock)",
+        help="drafter HF directory or training run served first (DFlash, TreeFlash, EAGLE-3, SpecBlock)",
     )
     p.add_argument("--publish", type=Path, required=True, help="drafter versions: PUBLISH/current, PUBLISH/vNNNNNN")
     p.add_argument("--target", default=DEFAULT_TARGET, help="target HF directory (frozen; features and teacher)")

@@ -54,10 +54,11 @@ from safetensors.torch import save, save_file
 
 from trainer.adapt.candidates import SCALE, CandidateTable
 from trainer.adapt.journal import (
+    METRICS,
+    QUARANTINE,
     StateError,
-    append_lines,
     lock_state_dir,
-    quarantine_lines,
+    quarantine,
     run_until_signalled,
     truncate_to,
 )
@@ -74,13 +75,11 @@ from trainer.snapshots import (
     read_manifest,
     tenant_filename,
 )
-from trainer.vlog.reader import Decoded, LogReader, StepColumns
+from trainer.vlog.reader import Decoded, Item, LogReader, StepColumns
 from trainer.vlog.schema import RecordError
 from trainer.vlog.workers import DecodePool, Pending
 
 STATE_FILE = "state.safetensors"
-QUARANTINE = "quarantine.jsonl"
-METRICS = "metrics.json"
 DEFAULT_TARGET = "checkpoints/target_tiny"
 
 
@@ -387,9 +386,9 @@ class GraftState:
         return state
 
 
-def lines_of(batch: list) -> list[bytes]:
+def lines_of(batch: list[Item]) -> list[bytes]:
     """The raw lines of a batch of reader items (the reader's own rejections left out)."""
-    return [item[3] for item in batch if not isinstance(item[3], RecordError)]
+    return [item.record for item in batch if not isinstance(item.record, RecordError)]
 
 
 class GraftDaemon:
@@ -448,25 +447,21 @@ class GraftDaemon:
     def _quarantine(self, errors: list[RecordError]) -> None:
         """Append rejected lines durably before the batch is applied (a restart cuts back what was not
         committed, so a failure here loses nothing)."""
-        path = self.state_dir / QUARANTINE
-        try:
-            self.state.quarantine_bytes = append_lines(path, quarantine_lines(errors))
-        except OSError as e:
-            raise StateError(f"cannot append to {path}: {e.strerror}; restart once it is writable") from e
+        self.state.quarantine_bytes = quarantine(self.state_dir, errors)
         self.state.counters.quarantined += len(errors)
 
-    def step(self, items: list, decoded: Decoded | None = None, offsets: dict[str, int] | None = None) -> int:
+    def step(self, items: list[Item], decoded: Decoded | None = None, offsets: dict[str, int] | None = None) -> int:
         """Apply one batch of reader items (raw lines, or the reader's own rejections), ``decoded`` already when a
         worker decoded it; ``offsets`` are the reader's right after the batch (default: where it is now).
         Returns rows touched."""
-        lines = [i for i, item in enumerate(items) if not isinstance(item[3], RecordError)]
+        lines = [i for i, item in enumerate(items) if not isinstance(item.record, RecordError)]
         if decoded is None:
-            decoded = self.decoder.decode([items[i][3] for i in lines])
+            decoded = self.decoder.decode([items[i].record for i in lines])
         # The quarantine keeps the log's order: the reader's rejections and the decoder's, merged by position.
-        errors = [(i, item[3]) for i, item in enumerate(items) if isinstance(item[3], RecordError)]
+        errors = [(i, item.record) for i, item in enumerate(items) if isinstance(item.record, RecordError)]
         for j, error in decoded.errors:
-            stem, offset = items[lines[j]][:2]
-            errors.append((lines[j], RecordError(error.reason, stem, offset)))
+            item = items[lines[j]]
+            errors.append((lines[j], RecordError(error.reason, item.segment, item.start)))
         if errors:
             self._quarantine([error for _, error in sorted(errors, key=lambda e: e[0])])
         touched = self.state.apply_decoded(decoded.steps, decoded.requests, len(items))
@@ -548,7 +543,7 @@ class GraftDaemon:
             f"tenants {m['tenants']} · quarantined {m['quarantined']}"
         )
 
-    def _batches(self) -> Iterator[list]:
+    def _batches(self) -> Iterator[list[Item]]:
         """Batches of ``batch_records`` lines; a short batch when the log runs dry, then an empty one."""
         size = self.state.config.batch_records
         while True:
@@ -559,7 +554,7 @@ class GraftDaemon:
                 yield batch
             yield []
 
-    def _decoded_batches(self) -> Iterator[tuple[list, Decoded | None, dict[str, int]]]:
+    def _decoded_batches(self) -> Iterator[tuple[list[Item], Decoded | None, dict[str, int]]]:
         """``_batches`` with each batch's decoding (None: decode it in this process) and the reader's offsets
         after it, in log order. While the log is busy, full batches go to the decode workers, up to
         ``DecodePool.ahead`` in flight, so the workers decode the next batches while this process aggregates; each
@@ -575,7 +570,7 @@ class GraftDaemon:
         def oldest_ready() -> bool:
             return not isinstance(ahead[0][1], Pending) or self.decoder.arrived(ahead[0][1])
 
-        def take() -> tuple[list, Decoded | None, dict[str, int]]:
+        def take() -> tuple[list[Item], Decoded | None, dict[str, int]]:
             nonlocal in_flight
             batch, work, offsets = ahead.popleft()
             if isinstance(work, Pending):

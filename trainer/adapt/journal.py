@@ -18,6 +18,11 @@ from typing import IO
 from trainer.errors import UserError
 from trainer.vlog.schema import RecordError
 
+# The files both daemons keep in their state directory: rejected log lines (one JSON line each), and the
+# metrics snapshot replaced at every commit.
+QUARANTINE = "quarantine.jsonl"
+METRICS = "metrics.json"
+
 
 class StateError(UserError):
     """A daemon's state directory cannot be read or written; the message says which file and why."""
@@ -31,17 +36,23 @@ def truncate_to(path: Path, size: int) -> None:
 
 
 def append_lines(path: Path, objects: list[dict]) -> int:
-    """Append one JSON line per object durably; returns the file's new length (raises ``OSError``)."""
-    with open(path, "ab") as f:
-        f.write("".join(json.dumps(o) + "\n" for o in objects).encode())
-        f.flush()
-        os.fsync(f.fileno())
-        return f.tell()
+    """Append one JSON line per object durably; returns the file's new length. A failed write raises
+    ``StateError``: the state that would count the lines is not committed, so a restart redoes the work."""
+    try:
+        with open(path, "ab") as f:
+            f.write("".join(json.dumps(o) + "\n" for o in objects).encode())
+            f.flush()
+            os.fsync(f.fileno())
+            return f.tell()
+    except OSError as e:
+        raise StateError(f"cannot append to {path}: {e.strerror}; restart once it is writable") from e
 
 
-def quarantine_lines(errors: list[RecordError]) -> list[dict]:
-    """The quarantine entry of each rejected log line: segment file, byte offset, reason."""
-    return [{"file": f"{e.file}.jsonl", "offset": e.offset, "reason": e.reason} for e in errors]
+def quarantine(state_dir: Path, errors: list[RecordError]) -> int:
+    """Append the quarantine entry of each rejected log line (segment file, byte offset, reason) to
+    ``state_dir``'s quarantine durably; returns its new length."""
+    entries = [{"file": f"{e.file}.jsonl", "offset": e.offset, "reason": e.reason} for e in errors]
+    return append_lines(state_dir / QUARANTINE, entries)
 
 
 def lock_state_dir(state_dir: Path, daemon: str) -> IO:

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from trainer.drafters import drafter_class, load_drafter
 from trainer.errors import UserError
 from trainer.paths import project_path
-from trainer.runs import recipe_target, resolve_drafter
+from trainer.runs import resolve_drafter
 
 # Lightning keeps the drafter's weights under this prefix of the LightningModule's state dict.
 DRAFTER_PREFIX = "drafter."
@@ -50,18 +50,8 @@ def load_source(path: Path) -> Source:
         return _from_checkpoint(path)
     if (path / SHARDED_METADATA).is_file():
         return _from_checkpoint(path)
-    hf, recipe = resolve_drafter(path)
-    return Source(load_drafter(hf), _recipe_target(recipe), hf)
-
-
-def _recipe_target(recipe: Path | None) -> str | None:
-    """The run's target, or None when there is no recipe or it names none (``--target`` then supplies it)."""
-    if recipe is None:
-        return None
-    try:
-        return recipe_target(recipe)
-    except UserError:
-        return None
+    hf, target = resolve_drafter(path)
+    return Source(load_drafter(hf), target, hf)
 
 
 def _read_checkpoint(path: Path) -> dict[str, Any]:

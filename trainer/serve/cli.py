@@ -31,6 +31,7 @@ from trainer.devices import add_device_arguments, parse_device, parse_dtype
 from trainer.drafters import load_drafter
 from trainer.errors import UserError
 from trainer.paths import project_path
+from trainer.runs import resolve_drafter
 from trainer.serve.app import Limits, build_app
 from trainer.serve.metrics import Metrics
 from trainer.serve.worker import Worker
@@ -46,7 +47,9 @@ def parser() -> argparse.ArgumentParser:
         prog="trainer serve", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     p.add_argument("--target", default=DEFAULT_TARGET, help="target HF directory (default: the shipped tiny target)")
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="drafter HF directory, or 'none' (default: shipped)")
+    p.add_argument(
+        "--drafter", default=DEFAULT_DRAFTER, help="drafter HF directory or training run, or 'none' (default: shipped)"
+    )
     p.add_argument("--tree", default="auto", help=f"'auto' (the controller) or one of {sorted(BUILDERS)}")
     p.add_argument(
         "--neural-tree", default=None, help="the drafter's builder the controller may choose (default: its family's)"
@@ -70,7 +73,7 @@ def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedMo
     ``--dtype``, for inference."""
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     target = load_causal_lm(str(project_path(args.target)), dtype, device=device).eval()
-    drafter = None if args.drafter == "none" else load_drafter(project_path(args.drafter), dtype).to(device)
+    drafter = None if args.drafter == "none" else load_drafter(resolve_drafter(args.drafter)[0], dtype).to(device)
     return target, drafter
 
 

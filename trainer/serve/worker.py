@@ -2,9 +2,9 @@
 
 Requests are submitted from the server's event loop and get their tokens back through their ``on_tokens``
 callback (called on this thread). A snapshot directory named by ``--watch`` is looked at every
-``reload_seconds``: a new version holding ``adjacency.safetensors`` replaces the recycling adjacency, one
-holding a drafter's HF export (``config.json``) replaces the drafter for requests that join afterwards. A
-version that fails to load is counted as quarantined and the old one stays in use.
+``reload_seconds``: a new version holding an adjacency matrix replaces the recycling adjacency, one holding a
+drafter replaces the drafter for requests that join afterwards (``trainer.snapshots.snapshot_kind`` tells
+them apart). A version that fails to load is counted as quarantined and the old one stays in use.
 
 A step record names the drafter and the version that drafted it: the version a request was admitted with (its
 sessions stay the ones that drafter made, whatever is published later), and null for both on a drafter-free
@@ -33,7 +33,7 @@ from trainer.decoding.controller import Controller
 from trainer.decoding.drafting import GraftSession, RecyclingSession
 from trainer.drafters import load_drafter
 from trainer.serve.metrics import Metrics
-from trainer.snapshots import ADJACENCY, load_adjacency, read_current
+from trainer.snapshots import load_adjacency, read_current, snapshot_kind
 from trainer.vlog.recorder import StepRecorder
 from trainer.vlog.schema import MIN_TOPK
 from trainer.vlog.writer import LogWriter
@@ -216,19 +216,17 @@ class Worker:
         self.metrics.last_reload_error.info({"directory": str(watched.directory), "reason": reason[:500]})
 
     def _load(self, path: Path, version: int) -> None:
-        if (path / ADJACENCY).is_file():
+        if snapshot_kind(path) == "adjacency":
             self.engine.set_adjacency(load_adjacency(path), version)
             self.adjacency_version = version
             self.metrics.adjacency_version.set(version)
-        elif (path / "config.json").is_file():
+        else:
             drafter = load_drafter(path, self.engine.dtype).to(self.engine.device)
             if self.neural_tree is not None:
                 # Fails (UserError) when this drafter cannot serve the configured builder.
                 make_session(self.neural_tree, self.engine.target, drafter, self.engine.options)
             self.engine.set_drafter(drafter, version)
             self.metrics.drafter_version.set(version)
-        else:
-            raise ValueError(f"{path} holds neither {ADJACENCY} nor a drafter's config.json")
 
 
 def new_request_id(prefix: str) -> str:

@@ -19,7 +19,7 @@ only when it passes every check of ``validate`` with the same values (``tests/te
 two on mutated records). Both, on CPU::
 
     python -c "from trainer.vlog.reader import LogReader; \\
-        [print(f, o, r) for f, o, e, r in LogReader('runs/logs')]"
+        [print(i.segment, i.start, i.record) for i in LogReader('runs/logs')]"
     python -c "import orjson; from trainer.vlog.reader import decode_batch; \\
         from trainer.vlog.schema import step_record; line = orjson.dumps(step_record(server='s', request='r', \\
         tenant=None, shareable=True, step=0, drafter=None, drafter_version=None, tree='chain', budget=1, pos=0, \\
@@ -58,9 +58,10 @@ from trainer.vlog.schema import (
 )
 
 
-class Item(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Item:
     """One line of the log: its segment's stem, the offset of the line and the offset after its newline, and the
-    record (with ``raw``: the line's bytes) or why it was rejected."""
+    record (with ``raw``: the line's bytes) or why it was rejected. Read by name: not a tuple."""
 
     segment: str
     start: int
