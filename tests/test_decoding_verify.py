@@ -1,5 +1,5 @@
 """Tree verification as pure functions: the attention mask against sequential decoding, greedy and sampled
-acceptance, warping, and KV compaction."""
+acceptance, warping, the commit and finish rules that both engines share, and KV compaction."""
 
 import pytest
 import torch
@@ -7,15 +7,19 @@ from conftest import chi2_pvalue
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from trainer.decoding.drafting import DraftSession, commit_verdict
 from trainer.decoding.tree import Tree
 from trainer.decoding.verify import (
+    GREEDY,
     GrowingLayer,
     Sampling,
     accept,
     accept_greedy,
     compact_cache,
+    finish_reason,
     growing_cache,
     tree_attention_mask,
+    verify_tree,
 )
 
 
@@ -77,6 +81,36 @@ def test_greedy_acceptance_walks_the_argmax():
     logits[0, 6] = 1  # no child carries 6
     result = accept_greedy(tree, logits)
     assert result.path == [0] and result.bonus == 6
+
+
+class Recorder(DraftSession):
+    def __init__(self, layer_ids: tuple[int, ...]) -> None:
+        super().__init__()
+        self.layer_ids = layer_ids
+        self.commits: list[tuple[list[int], torch.Tensor | None]] = []
+
+    def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:
+        self.commits.append((tokens, features))
+
+
+def test_a_verdict_commits_to_its_cut_and_the_request_ends_by_the_same_rule():
+    """A chain root → 1 → 2 → 3 all accepted, bonus 7: cut to ``remaining`` or at a stop token, the sessions are
+    told the root and the kept drafts with their layer set's features, the tokens grow by the cut, and
+    ``finish_reason`` ends the request exactly where the cut did."""
+    tree = Tree.from_lists([5, 1, 2, 3], [-1, 0, 1, 2])
+    logits = torch.eye(8)[[1, 2, 3, 7]]
+    features = {(0, 2): torch.arange(8.0)[:, None]}
+    for remaining, stops, new, reason in [(9, set(), [1, 2, 3, 7], None), (2, set(), [1, 2], "length"),
+                                          (9, {2}, [1, 2], "stop"), (1, {7}, [1], "length")]:  # fmt: skip
+        verdict = verify_tree(tree, logits, GREEDY, None, remaining, stops)
+        tokens = [5]  # the request's new tokens: the prefill's, the root of this step
+        plain, reader = Recorder(()), Recorder((0, 2))
+        commit_verdict(verdict, tokens, [plain, reader], {k: v[: len(new)] for k, v in features.items()}, tree, logits)
+        assert verdict.new == new and verdict.path == list(range(len(new)))
+        assert plain.commits == [([5, *new[:-1]], None)] and reader.commits[0][0] == [5, *new[:-1]]
+        assert reader.commits[0][1].flatten().tolist() == list(range(len(new)))
+        assert tokens == [5, *new]
+        assert finish_reason(tokens, 1 + remaining, stops) == reason
 
 
 def test_sampled_acceptance_follows_the_target_distribution():

@@ -60,12 +60,13 @@ from trainer.decoding.drafting import (
     DraftSession,
     GraftSession,
     RecyclingSession,
+    commit_verdict,
     draft_blocks,
     uses_drafter,
 )
 from trainer.decoding.events import Clock, Step, StepEvent, event_of, step_of
 from trainer.decoding.options import TreeOptions
-from trainer.decoding.verify import GREEDY, Sampling, cache_kwarg, verify_tree
+from trainer.decoding.verify import GREEDY, Sampling, cache_kwarg, finish_reason, verify_tree
 from trainer.drafters.attention import additive_mask
 from trainer.target import capture_layers, layer_features
 
@@ -395,6 +396,12 @@ class BatchEngine:
         if request.on_tokens is not None:
             request.on_tokens([], True)
 
+    def _finish_if_done(self, request: BatchRequest) -> None:
+        """End ``request`` if the tokens it has committed end it (``finish_reason``)."""
+        reason = finish_reason(request.tokens, request.max_new_tokens, request.stop_token_ids)
+        if reason is not None:
+            self._finish(request, reason)
+
     def _prefill(self, request: BatchRequest) -> DynamicCache | None:
         """Prefill alone; the request's one-row cache, or None when it already finished."""
         if self.fault is not None:
@@ -428,10 +435,7 @@ class BatchEngine:
         request.past_len = prompt.numel()
         if request.on_tokens is not None:
             request.on_tokens(list(request.tokens), False)
-        if request.tokens[-1] in request.stop_token_ids:
-            self._finish(request, "stop")
-        elif request.remaining <= 0:
-            self._finish(request, "length")
+        self._finish_if_done(request)
         return None if request.finished else cache
 
     def _prompt_logits(self, sessions: list[DraftSession], speculating: bool) -> bool:
@@ -551,7 +555,6 @@ class BatchEngine:
                 for b, (r, tree) in enumerate(zip(rows, trees, strict=True))
             ]
         with clock("commit"):
-            news = [v.new for v in verdicts]
             paths = [v.path for v in verdicts]
             # The committed (row, node) pairs of the whole batch, indexed once: per-row tensor indexing costs more
             # than the rows' work when a step commits one token each (plain decoding at a large batch).
@@ -565,15 +568,12 @@ class BatchEngine:
             features = {
                 ids_: torch.split(layer_features(states, ids_, committed_at), counts) for ids_ in self._layer_sets(rows)
             }
-            for b, (request, tree, new, path) in enumerate(zip(rows, trees, news, paths, strict=True)):
-                row_logits = logits[b, : tree.tokens.numel()]
-                for session in request.sessions.values():
-                    if session is self.recycling:
-                        continue
-                    row_features = features[session.layer_ids][b] if session.layer_ids else None
-                    session.commit([request.tokens[-1], *new[:-1]], row_features, tree, row_logits)
-                request.past_len += len(path)
-                request.tokens.extend(new)
+            for b, (request, tree, verdict) in enumerate(zip(rows, trees, verdicts, strict=True)):
+                # The shared recycling session is not told row by row: it learns every row's nodes at once below.
+                sessions = [s for s in request.sessions.values() if s is not self.recycling]
+                row_features = {layer_set: parts[b] for layer_set, parts in features.items()}
+                commit_verdict(verdict, request.tokens, sessions, row_features, tree, logits[b, : tree.tokens.numel()])
+                request.past_len += len(verdict.path)
             # Seconds of this step spent keeping drafting state ready rather than decoding (see ``observe`` below).
             readiness = 0.0
             if (tree_name != "none" or self.policy.speculating()) and any(self._learns_adjacency(r) for r in rows):
@@ -602,10 +602,7 @@ class BatchEngine:
                 self.on_step(events[-1])
             if request.on_tokens is not None:
                 request.on_tokens(new, False)
-            if new[-1] in request.stop_token_ids:
-                self._finish(request, "stop")
-            elif request.remaining <= 0:
-                self._finish(request, "length")
+            self._finish_if_done(request)
         self.steps += 1
         # A plain step is charged without the learning it did for a drafting arm: that is the price of keeping
         # the arm ready, not of plain decoding, and charged to plain decoding it made the arm look closer (at four

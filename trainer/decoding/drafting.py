@@ -1,8 +1,8 @@
 """Drafting sessions: the per-request state a drafter keeps between verification steps.
 
 The engine tells a session what the target committed (``start`` after the prompt, ``commit`` after every
-verification) and a tree builder asks it for drafts. A session says which target layers it reads
-(``layer_ids``) and counts its drafter forwards, so that drafting cost compares across drafters.
+verification, through :func:`commit_verdict`) and a tree builder asks it for drafts. A session says which target
+layers it reads (``layer_ids``) and counts its drafter forwards, so that drafting cost compares across drafters.
 
 - :class:`DraftSession` itself: no drafter, plain autoregressive decoding (the baseline runs the same loop).
 - :class:`BlockDraftSession`: DFlash; one block forward gives per-depth marginals (chain, DDTree).
@@ -20,6 +20,7 @@ On CPU, with the shipped tiny models::
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from trainer.decoding.tree import Transitions, Tree
-from trainer.decoding.verify import growing_cache
+from trainer.decoding.verify import Verdict, growing_cache
 from trainer.drafters.attention import additive_mask
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.eagle3 import Eagle3DraftModel
@@ -54,6 +55,23 @@ class DraftSession:
         """A step committed ``tokens`` (the root, then the accepted drafts; the bonus comes next step as the
         root). ``features`` Shape: (len(tokens), n*H) of exactly those positions; ``logits`` (N + 1, V) of
         every verified node."""
+
+
+def commit_verdict(
+    verdict: Verdict, tokens: list[int], sessions: Iterable[DraftSession],
+    features: Mapping[tuple[int, ...], torch.Tensor], tree: Tree, logits: torch.Tensor,
+) -> None:  # fmt: skip
+    """Commit one row's step, the same for one request (``engine.generate``) and for each row of a batch
+    (``batch.BatchEngine._step``): every session in ``sessions`` is told what ``verdict`` committed after
+    ``tokens`` (the row's tokens so far, the last being ``tree``'s root), then ``tokens`` grows by it.
+    ``features``: per layer set the sessions read, the row's features of the committed nodes (``verdict.path``),
+    Shape: (len(path), n*H), gathered by the engine (one row, or every row at once). ``logits`` Shape: (N + 1, V),
+    the row's logits of ``tree``."""
+    new = verdict.new
+    committed = [tokens[-1], *new[:-1]]
+    for session in sessions:
+        session.commit(committed, features[session.layer_ids] if session.layer_ids else None, tree, logits)
+    tokens.extend(new)
 
 
 class ContextSession(DraftSession):

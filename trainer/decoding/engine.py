@@ -4,8 +4,10 @@ so the baseline shares every line of overhead with the speculative runs.
 
 One step: the builder asks the session for drafts and returns a tree (timed as ``draft`` for drafter work
 and ``tree`` for tree construction); the target verifies the tree in one forward (``verify``); acceptance
-walks it; the KV cache is compacted to the accepted path; the session is told what was committed. Batch size
-1. On CPU with the shipped tiny models::
+walks it (``verify_tree``); the KV cache is compacted to the accepted path and the session is told what was
+committed (``commit_verdict``, ``commit``); the request goes on until ``finish_reason`` ends it. Batch size 1;
+the batch engine (trainer/decoding/batch.py) verifies, commits and ends each of its rows by the same three
+functions. On CPU with the shipped tiny models::
 
     python -c "
     import torch; from transformers import AutoModelForCausalLM as A
@@ -27,7 +29,7 @@ import torch
 from transformers import PreTrainedModel
 
 from trainer.decoding.builders import DEFAULT_OPTIONS, TreeBuilder
-from trainer.decoding.drafting import DraftSession
+from trainer.decoding.drafting import DraftSession, commit_verdict
 from trainer.decoding.events import Clock, Generation, StepEvent, event_of, step_of
 from trainer.decoding.options import TreeOptions
 from trainer.decoding.verify import (
@@ -35,6 +37,7 @@ from trainer.decoding.verify import (
     Sampling,
     cache_kwarg,
     compact_cache,
+    finish_reason,
     growing_cache,
     tree_attention_mask,
     verify_tree,
@@ -91,7 +94,7 @@ def generate(
 
     start = clock.now()
     past_len = prompt.numel()
-    while len(tokens) < max_new_tokens and tokens[-1] not in stops:
+    while finish_reason(tokens, max_new_tokens, stops) is None:
         remaining = max_new_tokens - len(tokens)
         clock.seconds = {}
         forwards = session.forwards
@@ -112,12 +115,12 @@ def generate(
             logits = out.logits[0].float()
             verdict = verify_tree(tree, logits, sampling, generator, remaining, stops, step_topk if on_step else 0)
         with clock("commit"):
-            new, path = verdict.new, verdict.path
+            path = verdict.path
             compact_cache(cache, past_len, path)
             # A chain's path is a prefix of the tree: a slice of the hidden states, not a gather.
             rows = slice(len(path)) if path[-1] == len(path) - 1 else torch.tensor(path, device=device)
-            session.commit([root, *new[:-1]], layer_features(states, session.layer_ids, (0, rows)), tree, logits)
-            tokens.extend(new)
+            features = {session.layer_ids: layer_features(states, session.layer_ids, (0, rows))}
+            commit_verdict(verdict, tokens, (session,), features, tree, logits)
         if on_step is not None:
             with clock("log"):
                 on_step(event_of(len(generation.steps), past_len, tree, verdict, logits, clock.seconds, budget,

@@ -1,5 +1,5 @@
-"""Lossless tree verification (docs/algorithms.md §3): the tree attention mask, greedy and sampled acceptance, and
-KV compaction to the accepted path.
+"""Lossless tree verification (docs/algorithms.md §3): the tree attention mask, greedy and sampled acceptance, what a
+step commits and when a request is done, and KV compaction to the accepted path.
 
 Acceptance treats drafts as deterministic: at each node the target's own next token is decided (argmax,
 or a draw from the target's warped distribution), and the walk moves to the child carrying it, if any. The
@@ -131,9 +131,10 @@ def verify_tree(
     stops: set[int] | frozenset[int], topk: int = 0,
 ) -> Verdict:  # fmt: skip
     """Verify ``tree`` against the target's ``logits`` (Shape: (N + 1, V)) and cut what it commits to ``remaining``
-    tokens and the first stop token: the step's core, the same for one request (``engine.generate``) and for each
-    row of a batch (``batch.BatchEngine``). ``topk``: the width of ``Verdict.top_ids`` under greedy verification,
-    found in the pass that finds its choices (0: none), for a log hook that records each row's top-k."""
+    tokens and the first stop token. The decision half of every step, the same for one request (``engine.generate``)
+    and for each row of a batch (``batch.BatchEngine._step``); ``drafting.commit_verdict`` then commits the verdict.
+    ``topk``: the width of ``Verdict.top_ids`` under greedy verification, found in the pass that finds its choices
+    (0: none), for a log hook that records each row's top-k."""
     top_ids = top_rows(logits, topk)[0] if topk and sampling.greedy else None
     acceptance = accept(tree, logits, sampling, generator, top_ids)
     new = committed(tree, acceptance, remaining, stops)
@@ -154,6 +155,15 @@ def committed(tree: Tree, result: Acceptance, remaining: int, stops: set[int] | 
         if token in stops:
             return new[: i + 1]
     return new
+
+
+def finish_reason(tokens: list[int], max_new_tokens: int, stops: set[int] | frozenset[int]) -> str | None:
+    """Why a request whose new tokens are ``tokens`` (non-empty) is done: "stop" when the last is a stop token,
+    "length" when it has ``max_new_tokens``; None while it goes on. The rule ``committed`` cuts a step by, checked
+    after the prefill and after every step of one request (``engine.generate``) and of a batch's rows."""
+    if tokens[-1] in stops:
+        return "stop"
+    return "length" if len(tokens) >= max_new_tokens else None
 
 
 class GrowingLayer(DynamicLayer):
