@@ -14,7 +14,6 @@ from trainer.decoding.verify import (
     GrowingLayer,
     Sampling,
     accept,
-    accept_greedy,
     compact_cache,
     finish_reason,
     growing_cache,
@@ -75,11 +74,11 @@ def test_greedy_acceptance_walks_the_argmax():
     logits[0, 1] = 1  # root → 1 (node 1)
     logits[1, 4] = 1  # node 1 → 4 (node 4)
     logits[4, 7] = 1  # node 4 → bonus 7
-    result = accept_greedy(tree, logits)
+    result = accept(tree, logits, GREEDY)
     assert result.path == [0, 1, 4] and result.bonus == 7 and result.accepted == 2
     logits[0] = 0
     logits[0, 6] = 1  # no child carries 6
-    result = accept_greedy(tree, logits)
+    result = accept(tree, logits, GREEDY)
     assert result.path == [0] and result.bonus == 6
 
 

@@ -345,14 +345,11 @@ class BatchEngine:
             kind = BUILDERS[tree].session
             if kind in sessions:
                 continue
-            if kind is RecyclingSession:
-                sessions[kind] = self.recycling
-            elif kind is DraftSession:
-                sessions[kind] = DraftSession()
-            elif self.policy.ready(tree):
-                # A Graft session grafts from the engine's one adjacency: what every request learns and what a
-                # daemon publishes (``set_adjacency``), not from an empty matrix of its own. The engine teaches
-                # that adjacency once per prompt and step (``_learns_adjacency``), so the session does not.
+            # Drafter-free sessions cost nothing to carry; a drafter's only while the policy may draft with it.
+            if kind in (RecyclingSession, DraftSession) or self.policy.ready(tree):
+                # Recycling and Graft draft from the engine's one adjacency: what every request learns and what a
+                # daemon publishes (``set_adjacency``), not from an empty matrix of their own. The engine teaches
+                # that adjacency once per prompt and step (``_learns_adjacency``), so a Graft session does not.
                 sessions[kind] = make_session(tree, self.target, self.drafter, self.options, self.recycling)
                 if isinstance(sessions[kind], GraftSession):
                     sessions[kind].learns_memory = False

@@ -7,8 +7,8 @@ committed tokens are therefore exactly what the target alone would have produced
 exactly as the target's samples (sampling), whatever the tree. Pure functions; on CPU::
 
     python -c "
-    import torch; from trainer.decoding.tree import Tree; from trainer.decoding.verify import accept_greedy
-    t = Tree.from_lists([5, 7, 8], [-1, 0, 1]); print(accept_greedy(t, torch.eye(10)[[7, 9, 1]]))"
+    import torch; from trainer.decoding.tree import Tree; from trainer.decoding.verify import GREEDY, accept
+    t = Tree.from_lists([5, 7, 8], [-1, 0, 1]); print(accept(t, torch.eye(10)[[7, 9, 1]], GREEDY))"
 """
 
 from __future__ import annotations
@@ -139,10 +139,6 @@ def verify_tree(
     acceptance = accept(tree, logits, sampling, generator, top_ids)
     new = committed(tree, acceptance, remaining, stops)
     return Verdict(acceptance, new, acceptance.path[: len(new)], top_ids)
-
-
-def accept_greedy(tree: Tree, logits: torch.Tensor) -> Acceptance:
-    return accept(tree, logits, GREEDY)
 
 
 def committed(tree: Tree, result: Acceptance, remaining: int, stops: set[int] | frozenset[int]) -> list[int]:
