@@ -429,6 +429,9 @@ def test_wrong_family_and_bad_sources_are_clear_errors(setup, tmp_path):
     (tmp_path / "bad.ckpt").write_bytes(b"not a checkpoint")
     with pytest.raises(UserError, match="not a readable Lightning checkpoint"):
         load_source(tmp_path / "bad.ckpt")
+    torch.save({"state_dict": {}}, tmp_path / "foreign.ckpt")
+    with pytest.raises(UserError, match=r"foreign\.ckpt holds no drafter config"):
+        load_source(tmp_path / "foreign.ckpt")
 
 
 def test_checkpoint_and_run_directory_sources(setup, tmp_path):

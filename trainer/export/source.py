@@ -1,14 +1,13 @@
 """What ``trainer export`` reads: a training run, a Lightning checkpoint or an HF drafter directory.
 
 A run directory gives its newest ``hf/`` export; a ``.ckpt`` (a file, or an FSDP2 run's sharded directory) gives
-the drafter weights it holds, rebuilt from the drafter config saved beside them (older checkpoints without one
-use the run's ``hf/config.json``); an HF directory is loaded as it is. The target the drafter was trained against
+the drafter weights it holds, rebuilt from the drafter config saved beside them; an HF directory is loaded as it
+is. The target the drafter was trained against
 comes from the run's recipe or the checkpoint's hyperparameters, when there is one.
 """
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +71,11 @@ def _read_checkpoint(path: Path) -> dict[str, Any]:
 
 def _from_checkpoint(path: Path) -> Source:
     checkpoint = _read_checkpoint(path)
-    config = checkpoint.get("drafter_config") or _run_export_config(path)
+    config = checkpoint.get("drafter_config")
+    if not config:
+        raise UserError(
+            f"{path} holds no drafter config (trainer fit writes one): export a run's hf/ directory instead"
+        )
     state = {k[len(DRAFTER_PREFIX) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(DRAFTER_PREFIX)}
     model_class = drafter_class(config.get("architectures") or [], path)
     drafter = model_class(model_class.config_class.from_dict(config))
@@ -84,14 +87,3 @@ def _from_checkpoint(path: Path) -> Source:
         )
     hparams: dict[str, Any] = checkpoint.get("hyper_parameters") or {}
     return Source(drafter.float().eval(), hparams.get("target"), path)
-
-
-def _run_export_config(ckpt: Path) -> dict[str, Any]:
-    """The drafter config of the run a checkpoint belongs to (``<run>/checkpoints/x.ckpt`` → ``<run>/hf``)."""
-    config = ckpt.parent.parent / "hf" / "config.json"
-    if not config.is_file():
-        raise UserError(
-            f"{ckpt} holds no drafter config (written before trainer export existed) and its run has no "
-            f"{config}; export the run's hf/ directory instead"
-        )
-    return json.loads(config.read_text())
