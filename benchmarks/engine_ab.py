@@ -32,6 +32,7 @@ from serve import configurations, request_prompts  # benchmarks/serve.py, beside
 from transformers import AutoTokenizer
 
 from trainer.decoding.batch import BatchEngine, BatchRequest
+from trainer.decoding.builders import native_tree
 from trainer.decoding.controller import policy_for
 from trainer.decoding.options import TreeOptions
 from trainer.decoding.verify import Sampling
@@ -86,7 +87,9 @@ def main() -> None:
     p.add_argument("--configs", default="none:0,recycling:8,recycling:16,ddtree:16,auto:0")
     p.add_argument("--target", default="checkpoints/target_tiny")
     p.add_argument("--drafter", default="checkpoints/dflash_tiny")
-    p.add_argument("--neural-tree", default="ddtree", help="the drafter's builder the controller may choose")
+    p.add_argument(
+        "--neural-tree", default=None, help="the drafter's builder the controller may choose (default: its family's)"
+    )
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--per-module", type=int, default=40, help="prompts per held-out stdlib module (at most)")
@@ -111,7 +114,7 @@ def main() -> None:
     print(f"{'concurrency':>11} {'plain tok/s':>11} " + " ".join(f"{n:>16}" for n in names[1:]))
     lanes = []
     for tree, budget in configs:
-        neural = args.neural_tree if tree == "auto" else None
+        neural = (args.neural_tree or native_tree(drafter)) if tree == "auto" else None
         policy, trees = policy_for(tree, budget, neural)
         engine = BatchEngine(target, drafter, trees, policy, TreeOptions.parse([]), max_batch=16)
         lanes.append(Lane(engine, prompts, CONCURRENCY[0], args.max_tokens, args.temperature))

@@ -429,9 +429,14 @@ def test_wrong_family_and_bad_sources_are_clear_errors(setup, tmp_path):
     (tmp_path / "bad.ckpt").write_bytes(b"not a checkpoint")
     with pytest.raises(UserError, match="not a readable Lightning checkpoint"):
         load_source(tmp_path / "bad.ckpt")
-    torch.save({"state_dict": {}}, tmp_path / "foreign.ckpt")
+    # A checkpoint without its drafter config is refused by name, even inside a run whose hf/ has a config.
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    drafters["dflash"].save_pretrained(run / "hf")
+    state = {f"drafter.{k}": v for k, v in drafters["dflash"].state_dict().items()}
+    torch.save({"state_dict": state}, run / "checkpoints" / "foreign.ckpt")
     with pytest.raises(UserError, match=r"foreign\.ckpt holds no drafter config"):
-        load_source(tmp_path / "foreign.ckpt")
+        load_source(run / "checkpoints" / "foreign.ckpt")
 
 
 def test_checkpoint_and_run_directory_sources(setup, tmp_path):

@@ -41,7 +41,7 @@ def test_a_shipped_drafter_is_its_family_and_its_tables_agree(name, target):
     assert isinstance(UPDATE_OPTIONS[name], STEPS[name].options)
     # The family's own builder drafts with this drafter's session, not a plain or retrieval one.
     tree = native_tree(drafter)
-    assert BUILDERS[tree].uses_drafter
+    assert BUILDERS[tree].session is SESSIONS[name]
     assert type(make_session(tree, target, drafter)) is SESSIONS[name]
     core = family.core(drafter)
     assert hasattr(core, "target_layer_ids")

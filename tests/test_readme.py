@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 import yaml
 from conftest import ROOT
@@ -174,17 +175,29 @@ def test_readme_serving_walkthrough(workdir, monkeypatch, capsys):
                 ask(servers[-1])
             else:
                 assert argv[:2] == ["trainer", "adapt"], command
+                before = bandit_requests(workdir)
                 assert run_trainer([*argv[1:], *TINY["adapt"]]) == 0, capsys.readouterr()
+                if argv[2] == "graft":
+                    assert "lines 0 " not in capsys.readouterr().out, "the graft daemon read none of the log"
+                else:
+                    assert bandit_requests(workdir) > before, "the bandit daemon read no request of the log"
         published = [read_current(workdir / d)[0] for d in ("runs/adjacency", "runs/drafters")]
         deadline = time.time() + 60
         while servers[-1].metrics("trainer_adjacency_version", "trainer_drafter_version") != published:
             assert time.time() < deadline, (published, servers[-1].output[-20:])
             time.sleep(0.5)
+        ask(servers[-1])  # decoding with what the daemons published
+        assert "trainer_engine_errors_total{" not in httpx.get(f"{servers[-1].url}/metrics", timeout=30).text
     finally:
         for server in servers:
             server.stop()
-    assert "lines 0 " not in capsys.readouterr().out, "a daemon read none of the logging server's lines"
     assert sorted((workdir / "runs" / "logs").glob("*.jsonl")), "the logging server finished no segment"
+
+
+def bandit_requests(workdir) -> int:
+    """Requests the README's bandit daemon has read (its state under its --publish directory; 0 before any)."""
+    state = workdir / "runs" / "drafters" / ".state" / "state.json"
+    return json.loads(state.read_text())["requests"] if state.is_file() else 0
 
 
 def test_every_readme_command_is_covered():

@@ -186,15 +186,19 @@ def copy_drafter(directory: Path) -> None:
         shutil.copy(ROOT / "checkpoints" / "dflash_tiny" / name, directory / name)
 
 
-def test_a_builder_the_drafter_cannot_serve_is_refused_at_startup():
+def test_a_builder_the_drafter_cannot_serve_is_refused_at_startup(monkeypatch):
+    import trainer.serve.cli as serve_cli
     from trainer.errors import UserError
-    from trainer.serve.cli import main
 
+    def started(*args, **kwargs):
+        raise AssertionError("the server got past its startup checks")
+
+    monkeypatch.setattr(serve_cli, "Worker", started)
     eagle = str(ROOT / "checkpoints" / "eagle3_tiny")
     with pytest.raises(UserError, match="'ddtree' needs a DFlash or TreeFlash drafter"):
-        main(["--drafter", eagle, "--neural-tree", "ddtree"])
+        serve_cli.main(["--drafter", eagle, "--neural-tree", "ddtree", "--port", "0"])
     with pytest.raises(UserError, match="'treeflash' needs a TreeFlash drafter"):
-        main(["--drafter", eagle, "--tree", "treeflash"])
+        serve_cli.main(["--drafter", eagle, "--tree", "treeflash", "--port", "0"])
 
 
 @pytest.mark.slow

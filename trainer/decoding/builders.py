@@ -420,7 +420,8 @@ def make_session(
     options: TreeOptions = DEFAULT_OPTIONS,
     memory: RecyclingSession | None = None,
 ) -> DraftSession:
-    """A fresh session for one request with builder ``tree``; a clear error when the drafter cannot serve it.
+    """The session one request drafts with under builder ``tree`` (fresh, but for the caller's ``memory``); a clear
+    error when the drafter cannot serve it.
 
     ``memory``: the adjacency matrix kept across requests by the caller (``TreeBuilder.uses_adjacency``): the
     recycling session itself, or what a Graft session grafts from; a fresh, empty one if None."""

@@ -2,8 +2,8 @@
 
 A run directory gives its newest ``hf/`` export; a ``.ckpt`` (a file, or an FSDP2 run's sharded directory) gives
 the drafter weights it holds, rebuilt from the drafter config saved beside them; an HF directory is loaded as it
-is. The target the drafter was trained against
-comes from the run's recipe or the checkpoint's hyperparameters, when there is one.
+is. The target the drafter was trained against comes from the run's recipe or the checkpoint's hyperparameters,
+when there is one.
 """
 
 from __future__ import annotations

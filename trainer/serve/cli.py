@@ -1,7 +1,7 @@
 """``trainer serve``: the OpenAI-compatible server with continuous batching, verifier logs and hot reload.
 
     trainer serve                                   # the shipped tiny target and drafter on 127.0.0.1:8000
-    trainer serve --drafter checkpoints/dflash_tiny --tree ddtree --logs runs/logs --watch runs/publish
+    trainer serve --drafter checkpoints/dflash_tiny --tree ddtree --logs runs/logs --watch runs/adjacency
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"model": "target_tiny", "prompt": "def main(", "max_tokens": 32}'
 

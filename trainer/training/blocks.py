@@ -213,9 +213,7 @@ def dflash_loss(
     kind: Literal["ce", "kl"],
 ) -> BlockLoss:
     """The DFlash loss of a batch with features: depth-weighted mean over valid slots of the cross-entropy to
-    the data token (``ce``) or the forward KL to the target's top-k (``kl``).
-
-    """
+    the data token (``ce``) or the forward KL to the target's top-k (``kl``)."""
     logits = target.lm_head(drafter.norm(block_hidden(drafter, target, batch, blocks)))
     t_ids, t_lp = teacher_at(batch, blocks.teacher_index)
     per_slot = forward_kl_topk(logits, t_ids, t_lp) if kind == "kl" else cross_entropy(logits, blocks.labels)
@@ -230,9 +228,7 @@ def treeflash_loss(
     weights: torch.Tensor,
 ) -> TreeFlashLoss:
     """The TreeFlash loss of a batch with features: depth-weighted forward KL of the corrected distribution
-    (teacher-forced previous token) to the target's top-k, over valid slots.
-
-    """
+    (teacher-forced previous token) to the target's top-k, over valid slots."""
     hidden = block_hidden(drafter.model, target, batch, blocks)
     normed = drafter.model.norm(hidden)
     prev = target.embed_tokens(blocks.prev_tokens).to(hidden.dtype)
