@@ -718,13 +718,13 @@ def _write(out: Path, results: dict, here: dict, costs: Costs, args) -> None:
 
 def report(results: dict, args, out: Path) -> None:
     """Per cost model: served tokens (mean ± sd over seeds) per policy, ratio to never, and the oracle."""
-    family_names = [q.name for q in oracle_schedules(args)]
+    schedule_names = [q.name for q in oracle_schedules(args)]
     shown = [int(n) for n in args.every.split(",")]
     for model, by in results.items():
         seeds = len(by["never"])
         never = [r["tokens"] for r in by["never"]]
         # The oracle: per seed, the family's best schedule on that seed's trace.
-        oracle = [max(["never", *family_names], key=lambda n, s=s: by[n][s]["tokens"]) for s in range(seeds)]
+        oracle = [max(["never", *schedule_names], key=lambda n, s=s: by[n][s]["tokens"]) for s in range(seeds)]
         rows = {n: by[n] for n in ["never", *(f"every-{n}" for n in shown), "greedy", "bandit"]}
         rows[f"oracle ({', '.join(dict.fromkeys(oracle))})"] = [by[o][s] for s, o in enumerate(oracle)]
         print(f"\n{model}: {args.minutes:.0f} min, {seeds} seeds; served tokens mean ± sd; ratio to never per seed")

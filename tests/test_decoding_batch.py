@@ -421,3 +421,18 @@ def test_eval_and_the_server_merge_a_snapshot_by_one_rule(shipped, tmp_path):
     assert torch.equal(memory.adjacency, engine.recycling.adjacency)
     assert memory.version == engine.recycling.version == version
     assert torch.equal(memory.adjacency[~learnt], snapshot[~learnt])
+
+
+def test_a_drafter_that_cannot_serve_the_engines_builders_is_refused_when_set(shipped):
+    """Refused when the engine is made or the drafter swapped, not in each request's prefill; a refused swap keeps
+    the drafter in use."""
+    target, drafter, _ = shipped
+    eagle = load_drafter(ROOT / "checkpoints" / "eagle3_tiny")
+    with pytest.raises(UserError, match="'ddtree' needs a DFlash or TreeFlash drafter"):
+        BatchEngine(target, eagle, ("ddtree",), Fixed("ddtree", 8))
+    with pytest.raises(UserError, match="'ddtree' needs a drafter"):
+        BatchEngine(target, None, ("ddtree",), Fixed("ddtree", 8))
+    engine = BatchEngine(target, drafter, ("ddtree",), Fixed("ddtree", 8))
+    with pytest.raises(UserError, match="'ddtree' needs a DFlash or TreeFlash drafter"):
+        engine.set_drafter(eagle, 1)
+    assert engine.drafter is drafter and engine.drafter_version is None

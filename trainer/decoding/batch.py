@@ -54,7 +54,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from trainer.decoding.builders import BUILDERS, DEFAULT_OPTIONS, make_session
+from trainer.decoding.builders import BUILDERS, DEFAULT_OPTIONS, make_session, session_class
 from trainer.decoding.drafting import (
     BlockDraftSession,
     DraftSession,
@@ -289,9 +289,10 @@ class BatchEngine:
         step_topk: int = 0,
     ) -> None:
         self.target = target
+        self.trees = tuple(dict.fromkeys(("none", *trees)))
+        self._check(drafter)
         self.drafter = drafter
         self.drafter_version: int | None = None
-        self.trees = tuple(dict.fromkeys(("none", *trees)))
         self.policy = policy
         self.options = options
         self.on_step = on_step
@@ -329,9 +330,16 @@ class BatchEngine:
     def set_drafter(self, drafter: torch.nn.Module | None, version: int | None = None) -> None:
         """A new drafter (published as ``version``) for requests that join from now on: requests in flight keep
         their sessions and the version they were admitted with (``BatchRequest.drafter_version``). Call between
-        steps."""
+        steps. A drafter that cannot serve one of the engine's builders is a UserError and changes nothing."""
+        self._check(drafter)
         self.drafter = drafter
         self.drafter_version = version
+
+    def _check(self, drafter: torch.nn.Module | None) -> None:
+        """Refuse (UserError) a drafter that cannot serve every builder of the engine: once, when it is set,
+        rather than in every request's prefill."""
+        for tree in self.trees:
+            session_class(tree, drafter)
 
     def set_adjacency(self, adjacency: torch.Tensor, version: int | None = None) -> None:
         """Load a published recycling adjacency (V, k) token ids, -1 = empty, by the one merge rule

@@ -413,36 +413,22 @@ def native_tree(drafter: torch.nn.Module) -> str:
     return NATIVE_TREES[family_of(drafter).name]
 
 
-def make_session(
-    tree: str,
-    target: PreTrainedModel,
-    drafter: torch.nn.Module | None,
-    options: TreeOptions = DEFAULT_OPTIONS,
-    memory: RecyclingSession | None = None,
-) -> DraftSession:
-    """The session one request drafts with under builder ``tree`` (fresh, but for the caller's ``memory``); a clear
-    error when the drafter cannot serve it.
-
-    ``memory``: the adjacency matrix kept across requests by the caller (``TreeBuilder.uses_adjacency``): the
-    recycling session itself, or what a Graft session grafts from; a fresh, empty one if None."""
+def session_class(tree: str, drafter: torch.nn.Module | None) -> type[DraftSession]:
+    """The session class builder ``tree`` drafts with for ``drafter`` (None: no drafter); a clear UserError when the
+    drafter cannot serve the builder. Checks without making a session, so an engine refuses a builder once, when it
+    is configured, rather than at every request."""
     if tree not in BUILDERS:
         raise UserError(f"unknown tree builder {tree!r}; choose from {sorted(BUILDERS)}")
     builder = BUILDERS[tree]
     need = builder.session
-    if need is RecyclingSession:
-        if memory is not None:
-            return memory
-        return RecyclingSession(target.config.vocab_size, options.recycling_width, device=target.device)
     if need is GraftSession:
         try:
-            draft = make_session(builder.drafts_like, target, drafter, options)
+            session_class(builder.drafts_like, drafter)
         except UserError as e:
             raise UserError(f"tree builder {tree!r} drafts as {builder.drafts_like!r} does: {e}") from None
-        if memory is None:
-            memory = RecyclingSession(target.config.vocab_size, options.recycling_width, device=target.device)
-        return GraftSession(draft, memory)
-    if need is DraftSession:
-        return DraftSession()
+        return GraftSession
+    if need in (RecyclingSession, DraftSession):
+        return need
     if drafter is None:
         raise UserError(f"tree builder {tree!r} needs a drafter (--drafter)")
     # A builder serves the families whose session is (a subclass of) the one it needs: TreeFlash's also serves
@@ -453,4 +439,28 @@ def make_session(
             f.cls.__name__.removesuffix("DraftModel") for f in FAMILIES.values() if issubclass(SESSIONS[f.name], need)
         ]
         raise UserError(f"tree builder {tree!r} needs a {' or '.join(wants)} drafter; got a {type(drafter).__name__}")
-    return session(drafter, target)
+    return session
+
+
+def make_session(
+    tree: str,
+    target: PreTrainedModel,
+    drafter: torch.nn.Module | None,
+    options: TreeOptions = DEFAULT_OPTIONS,
+    memory: RecyclingSession | None = None,
+) -> DraftSession:
+    """The session one request drafts with under builder ``tree`` (fresh, but for the caller's ``memory``); a clear
+    error when the drafter cannot serve it (``session_class``).
+
+    ``memory``: the adjacency matrix kept across requests by the caller (``TreeBuilder.uses_adjacency``): the
+    recycling session itself, or what a Graft session grafts from; a fresh, empty one if None."""
+    kind = session_class(tree, drafter)
+    if kind in (RecyclingSession, GraftSession) and memory is None:
+        memory = RecyclingSession(target.config.vocab_size, options.recycling_width, device=target.device)
+    if kind is RecyclingSession:
+        return memory
+    if kind is GraftSession:
+        return GraftSession(make_session(BUILDERS[tree].drafts_like, target, drafter, options), memory)
+    if kind is DraftSession:
+        return DraftSession()
+    return kind(drafter, target)

@@ -24,7 +24,7 @@ import uvicorn
 from transformers import AutoTokenizer, PreTrainedModel
 
 from trainer.decoding.batch import BatchEngine
-from trainer.decoding.builders import BUILDERS, make_session, native_tree
+from trainer.decoding.builders import BUILDERS, native_tree
 from trainer.decoding.controller import policy_for
 from trainer.decoding.options import TreeOptions
 from trainer.devices import add_device_arguments, parse_device, parse_dtype
@@ -92,9 +92,6 @@ def main(argv: list[str]) -> None:
         if args.budget < 0:
             raise UserError(f"--budget must be >= 0, got {args.budget}")
         neural = args.tree if BUILDERS[args.tree].uses_drafter else None
-    for tree in {args.tree, neural} - {"auto", None}:
-        # Refused here, once, rather than in every request's prefill (a 500 each).
-        make_session(tree, target, drafter, options)
     policy, trees = policy_for(args.tree, args.budget, neural)
     engine = BatchEngine(target, drafter, trees, policy, options, max_batch=args.max_batch)
     for directory in args.watch:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from trainer.decoding.batch import BatchEngine, BatchRequest, RowStep
-from trainer.decoding.builders import BUILDERS, make_session
+from trainer.decoding.builders import BUILDERS
 from trainer.decoding.controller import Controller
 from trainer.decoding.drafting import GraftSession, RecyclingSession
 from trainer.drafters import load_drafter
@@ -222,9 +222,6 @@ class Worker:
             self.metrics.adjacency_version.set(version)
         else:
             drafter = load_drafter(path, self.engine.dtype).to(self.engine.device)
-            if self.neural_tree is not None:
-                # Fails (UserError) when this drafter cannot serve the configured builder.
-                make_session(self.neural_tree, self.engine.target, drafter, self.engine.options)
             self.engine.set_drafter(drafter, version)
             self.metrics.drafter_version.set(version)
 
