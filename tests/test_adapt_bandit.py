@@ -540,6 +540,27 @@ def test_a_version_is_judged_only_on_the_steps_its_drafter_drafted(tmp_path):
     daemon.close()
 
 
+def test_a_version_is_judged_only_on_requests_whose_first_step_it_drafted(tmp_path):
+    """vLLM's requests share one drafter: a swap to version 2 drafts the running requests' next steps over state
+    version 1 computed. Those steps judge neither version (version 2's τ is its own requests' 2, not the mixed
+    steps' 5); steps of the drafter vLLM started with (version 0) judge none either."""
+    (tmp_path / "logs").mkdir()
+    daemon = _daemon(tmp_path)
+    assert publish(tmp_path / "pub", daemon.drafter.save_pretrained, {"kind": "drafter"}) == 2
+    lines = []
+    for i in range(8):
+        lines.append(_step(f"old{i}", 1, 0, 1, accepted=3))  # admitted under version 1
+        lines.append(_step(f"old{i}", 2, 5, 1, accepted=4))  # drafted by version 2 after the swap: mixed
+        lines.append(_step(f"new{i}", 2, 0, 1, accepted=1))  # admitted under version 2
+        lines.append(_step(f"new{i}", 2, 3, 1, accepted=1))
+        lines.append(_step(f"boot{i}", 0, 0, 1, accepted=4))  # the drafter the server started with
+    (tmp_path / "logs" / "seg-000001-1000.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    daemon.read()
+    assert daemon._live(2).tau == pytest.approx(2.0) and daemon._live(1).tau == pytest.approx(4.0)
+    assert daemon.state.ignored == {"admitted under another version": 8, "startup drafter": 8}
+    daemon.close()
+
+
 def test_alarm_on_a_zeroed_drafter_and_on_collapsed_tau(tmp_path):
     (tmp_path / "logs").mkdir()
     daemon = _daemon(tmp_path)

@@ -95,7 +95,7 @@ def check_parity_and_log(rows: list[dict], steps: dict, requests: dict) -> None:
     for request, record in requests.items():
         check_greedy_steps(steps[request], record)
         for step in steps[request]:
-            assert step["drafter"] is not None and step["drafter_version"] is None
+            assert step["drafter"] is not None and step["drafter_version"] == 0
             assert len(step["topk_ids"][0]) >= 8 and step["budget"] == rows[0]["tokens"]
             drafts += bool(step["tokens"])
             for j in range(len(step["accepted"])):

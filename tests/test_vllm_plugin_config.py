@@ -13,7 +13,7 @@ import pytest
 from trainer.errors import UserError
 from trainer.integrations.vllm import register
 from trainer.integrations.vllm.config import PluginConfig
-from trainer.integrations.vllm.hooks import ended_output
+from trainer.integrations.vllm.records import ended_output
 
 
 def test_unconfigured_the_plugin_does_nothing(monkeypatch):

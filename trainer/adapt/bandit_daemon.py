@@ -3,8 +3,9 @@
 Run it next to a log directory whose step records carry the published version as ``drafter_version``
 (``--device cpu`` runs it on the CPU; by default it takes the first GPU, where a second copy of the target in
 ``--dtype`` must fit beside the server's). A version is judged only on the steps its drafter drafted: a step
-with ``drafter`` null (plain decoding, recycling), a ``drafter_version`` that is null or not one published here,
-or another drafter's name than the version's first steps carried does not enter any version's live τ, and
+with ``drafter`` null (plain decoding, recycling), a ``drafter_version`` that is null, 0 (the drafter the server
+started with) or not one published here, a version other than the one that drafted its request's first step, or
+another drafter's name than the version's first steps carried does not enter any version's live τ, and
 ``ignored_steps`` in the metrics counts such steps per reason::
 
     trainer adapt bandit --logs runs/logs --drafter checkpoints/treeflash --publish runs/drafters --once
@@ -388,7 +389,9 @@ class BanditDaemon:
                 errors.append(record)
                 continue
             if record["kind"] == "step":
-                ignored = self._ignored(record)
+                earlier = pending.get(record["request"])
+                admitted = earlier[0]["drafter_version"] if earlier else record["drafter_version"]
+                ignored = self._ignored(record, admitted)
                 if ignored is None:
                     key = str(record["drafter_version"])
                     if key not in live:
@@ -415,18 +418,25 @@ class BanditDaemon:
         self.state.replay = replay.to_json()
         return n
 
-    def _ignored(self, record: dict) -> str | None:
+    def _ignored(self, record: dict, admitted: object) -> str | None:
         """Why a step record says nothing about a version's drafter, or None when it was drafted by the drafter
-        of a version published here."""
+        of a version published here, for a request whose first step that version drafted (``admitted``: the
+        version of the request's first step). A server whose requests share one drafter (vLLM) drafts a running
+        request with a new version from the swap on, over drafter state the old one computed; such steps judge
+        neither version. Our server keeps a request on its admission version, so there the rule never fires."""
         version = record["drafter_version"]
         if record["drafter"] is None:
             return "no drafter"
         if version is None:
             return "unversioned"
+        if version == 0:
+            return "startup drafter"
         if type(version) is not int or not self._is_published(version):
             return "unknown version"
         name = self.state.drafters.setdefault(str(version), record["drafter"])
-        return None if name == record["drafter"] else "other drafter"
+        if name != record["drafter"]:
+            return "other drafter"
+        return None if version == admitted else "admitted under another version"
 
     def _is_published(self, version: int) -> bool:
         if version not in self._published and version >= 1 and version_path(self.publish_dir, version).is_dir():

@@ -13,6 +13,12 @@ A server calls ``close`` from its SIGTERM handler; a process that exits without 
 writer per prefix (a lock file enforces it); a new writer finishes the ``.part`` segments a dead one of the
 same prefix left behind, so readers stop waiting on them (a torn last line then reads as truncated).
 
+A writer made with ``on_error`` fails open, for producers that run inside another program (vLLM's engine): a
+record that cannot be written (refused by the validator, a full disk, a full queue, a stopped writer thread) is
+dropped and ``on_error(error)`` is called (on the writer thread, or on the caller's for a full queue or a stopped
+thread), and no call ever raises it. Without it, ``write`` waits for room and the first failure on the thread is
+raised on the caller's next call.
+
 Every record is validated unless ``check_every`` N > 1: then the first ``CHECKED_FIRST`` records and one in N
 after them are. The validator is pure Python and holds the GIL; a producer whose hot loop shares the process
 (vLLM's worker: validation was half of the plugin's logging overhead) and whose records are built by tested
@@ -58,6 +64,15 @@ Record = dict | Callable[[], dict]
 CHECKED_FIRST = 1000
 
 
+class WriterStalled(RuntimeError):
+    """A fail-open writer dropped a record without trying to write it: its queue is full, or its thread stopped
+    (``stopped``: no later record will be written either)."""
+
+    def __init__(self, message: str, stopped: bool) -> None:
+        super().__init__(message)
+        self.stopped = stopped
+
+
 class LogWriter:
     def __init__(
         self,
@@ -70,6 +85,7 @@ class LogWriter:
         max_deferred: int = 8,
         interval: float = 0.1,
         check_every: int = 1,
+        on_error: Callable[[Exception], None] | None = None,
     ) -> None:
         if not PREFIX.fullmatch(prefix):
             raise UserError(f"log prefix {prefix!r} must be letters, digits, '_', '.', '-' (not starting with '.')")
@@ -106,6 +122,7 @@ class LogWriter:
         # once its callable has run; without a slot, reduce the tensor before writing.
         self.deferred = threading.BoundedSemaphore(max_deferred)
         self._error: Exception | None = None
+        self.on_error = on_error
         self._failed = 0
         self._closed = False
         self.records = 0
@@ -123,6 +140,11 @@ class LogWriter:
         self._check()
         if self._closed:
             raise RuntimeError("write after close")
+        if self.on_error is not None and (len(self._queue) >= self.queue_size or not self.alive):
+            why = "queue full" if self.alive else "writer thread stopped"
+            self.on_error(WriterStalled(f"verifier log {self.directory}/{self.prefix}: {why}; record dropped",
+                                        stopped=not self.alive))  # fmt: skip
+            return
         # Full: poll for room rather than take a lock that a signal handler calling close() could deadlock on.
         while len(self._queue) >= self.queue_size and self._thread.is_alive():
             self._wake.put(None)
@@ -150,6 +172,11 @@ class LogWriter:
             self._thread.join()
             self._lock.close()
         self._check()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the writer thread runs (it ends at ``close``, or when something killed it)."""
+        return self._thread.is_alive()
 
     def cpu_seconds(self) -> float:
         """CPU time the writer thread has used (the share of logging a caller does not see on its own thread)."""
@@ -198,6 +225,10 @@ class LogWriter:
         try:
             fn(*args)
         except Exception as e:  # kept for the caller: the thread must outlive a bad record or a full disk
+            if self.on_error is not None:
+                with contextlib.suppress(Exception):
+                    self.on_error(e)
+                return
             self._failed += 1
             if self._error is None:
                 self._error = e

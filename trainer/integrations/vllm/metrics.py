@@ -1,15 +1,17 @@
-"""The plugin's hot-reload figures on vLLM's ``/metrics``: versions swapped in, versions refused, the version serving.
+"""The plugin's figures on vLLM's ``/metrics``: hot reloads, the plugin's own errors, whether its hooks run.
 
-vLLM's OpenAI server answers ``/metrics`` from its API server process's prometheus registry, while the drafter runs
-in another process (the engine core, or its worker). So the process that runs the drafter keeps the figures in a
-small JSON file, replaced whole when one changes (rare: a swap or a refusal), and the API server process registers
-a collector that reads that file at each scrape. The file's path travels in ``TRAINER_VLLM_METRICS_FILE``: the
-first process that loads the plugin (the API server, before it starts the engine) sets it, and vLLM's processes
-inherit it. Exposed::
+vLLM's OpenAI server answers ``/metrics`` from its API server process's prometheus registry, while the plugin's
+hooks run in other processes (the engine core's scheduler, the worker's runner). So each process that runs hooks
+keeps its figures in a small JSON file of its own (``figures-PID.json`` in one directory, replaced whole when a
+figure changes), and the API server process registers a collector that reads and adds up the directory's files at
+each scrape. The directory's path travels in ``TRAINER_VLLM_METRICS_DIR``: the first process that loads the plugin
+(the API server, before it starts the engine) sets it, and vLLM's processes inherit it. Exposed::
 
-    trainer_vllm_drafter_swaps_total     published versions swapped into the served drafter
-    trainer_vllm_drafter_refused_total   published versions refused (unloadable or of another architecture)
-    trainer_vllm_drafter_version         the version serving (0: the drafter vLLM started with)
+    trainer_vllm_drafter_swaps_total        published versions swapped into the served drafter
+    trainer_vllm_drafter_refused_total      published versions refused (unloadable or of another architecture)
+    trainer_vllm_drafter_version            the version serving (0: the drafter vLLM started with)
+    trainer_vllm_errors_total{phase}        errors the plugin caught in its hooks, by phase (nothing reached vLLM)
+    trainer_vllm_hooks_active               1 once the first verification step ran through the plugin's hooks
 
 With ``PROMETHEUS_MULTIPROC_DIR`` set, vLLM serves a multiprocess registry of its own and these lines are absent.
 """
@@ -19,7 +21,10 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import tempfile
+import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,61 +33,96 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from trainer.io import write_text_atomic
 
-FILE_ENV = "TRAINER_VLLM_METRICS_FILE"
-# name in the file -> (metric name, kind, help)
+DIR_ENV = "TRAINER_VLLM_METRICS_DIR"
+# name in the files -> (metric name, kind, help); counters add up across processes, gauges take the largest.
 FIGURES = {
     "swaps": ("trainer_vllm_drafter_swaps", "counter", "Published drafter versions swapped into vLLM"),
     "refused": ("trainer_vllm_drafter_refused", "counter", "Published drafter versions refused (unloadable or "
                 "mismatched); the old weights keep serving"),
     "version": ("trainer_vllm_drafter_version", "gauge", "Drafter version serving (0: the one vLLM started with)"),
+    "hooks_active": ("trainer_vllm_hooks_active", "gauge", "1 once a verification step ran through the plugin's "
+                     "hooks"),
 }  # fmt: skip
+ERRORS = ("trainer_vllm_errors", "Errors the trainer plugin caught in its hooks (vLLM kept serving), by phase")
+# Error counts change every step while a fault lasts; their file is rewritten at most this often.
+ERROR_WRITE_SECONDS = 1.0
 
 
-class DrafterFigures:
-    """The figures, kept by the process that runs the drafter and written to ``path`` on every change."""
+class PluginFigures:
+    """One process's figures, written to ``directory/figures-PID.json``: at once on a swap, a refusal or the
+    self-check, at most every :data:`ERROR_WRITE_SECONDS` for errors. Writing never raises (a full disk must
+    not turn a counted error into a raised one)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / f"figures-{os.getpid()}.json"
         self.values = dict.fromkeys(FIGURES, 0)
-        self._write()
+        self.errors: Counter[str] = Counter()
+        self._written = 0.0
+        self._dirty = False
+        self.write()
 
     def add(self, name: str) -> None:
         self.values[name] += 1
-        self._write()
+        self.write()
 
     def set(self, name: str, value: int) -> None:
         self.values[name] = value
-        self._write()
+        self.write()
 
-    def _write(self) -> None:
-        write_text_atomic(self.path, json.dumps(self.values))
+    def error(self, phase: str) -> None:
+        self.errors[phase] += 1
+        self._dirty = True
+        if time.monotonic() - self._written >= ERROR_WRITE_SECONDS:
+            self.write()
+
+    def flush(self) -> None:
+        """Write error counts held back by the rate limit."""
+        if self._dirty:
+            self.write()
+
+    def write(self) -> None:
+        self._written, self._dirty = time.monotonic(), False
+        try:
+            write_text_atomic(self.path, json.dumps({**self.values, "errors": dict(self.errors)}))
+        except OSError:
+            self._dirty = True
 
 
-class FileCollector:
-    """A prometheus collector of the figures another process writes to ``path`` (zeros until it has)."""
+class DirectoryCollector:
+    """A prometheus collector of the figures other processes write to ``directory`` (zeros until they have)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
 
     def collect(self) -> Iterator[Metric]:
-        try:
-            values = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            values = {}
+        files = []
+        for path in sorted(self.directory.glob("figures-*.json")):
+            try:
+                files.append(json.loads(path.read_text()))
+            except (OSError, ValueError):  # replaced while read, or torn by a full disk: skip this scrape
+                continue
         for key, (name, kind, text) in FIGURES.items():
-            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            yield family(name, text, value=float(values.get(key, 0)))
+            values = [float(f.get(key, 0)) for f in files] or [0.0]
+            if kind == "counter":
+                yield CounterMetricFamily(name, text, value=sum(values))
+            else:
+                yield GaugeMetricFamily(name, text, value=max(values))
+        errors = CounterMetricFamily(*ERRORS, labels=["phase"])
+        total: Counter[str] = Counter()
+        for f in files:
+            total.update({str(k): int(v) for k, v in dict(f.get("errors", {})).items()})
+        for phase, count in sorted(total.items()):
+            errors.add_metric([phase], count)
+        yield errors
 
 
-def figures_file() -> Path:
-    """The figures' file of this vLLM server. The first caller in a process tree creates it, exports its path to
+def figures_dir() -> Path:
+    """This vLLM server's figures directory. The first caller in a process tree creates it, exports its path to
     the processes vLLM starts after, and registers its collector with the process's prometheus registry."""
-    if os.environ.get(FILE_ENV):
-        return Path(os.environ[FILE_ENV])
-    handle, name = tempfile.mkstemp(prefix="trainer-vllm-", suffix=".json")
-    os.close(handle)
-    path = Path(name)
-    os.environ[FILE_ENV] = name
-    atexit.register(path.unlink, missing_ok=True)
-    REGISTRY.register(FileCollector(path))
+    if os.environ.get(DIR_ENV):
+        return Path(os.environ[DIR_ENV])
+    path = Path(tempfile.mkdtemp(prefix="trainer-vllm-"))
+    os.environ[DIR_ENV] = str(path)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    REGISTRY.register(DirectoryCollector(path))
     return path

@@ -1,22 +1,28 @@
 """Hot reload of the served drafter: a watched publish directory's new version is swapped into vLLM between steps.
 
 The bandit daemon publishes drafter versions (``PUB/current`` names ``vNNNNNN``, a directory holding the drafter
-in our HF format: :mod:`trainer.snapshots`). Between two steps (the runner's ``execute_model`` starts with
-:meth:`Reloader.poll`) the plugin reads ``current`` at most every ``poll_seconds``; a new version is loaded with
-our loader, converted to the speculators layout's weight names (what vLLM's drafter ``load_weights`` maps from)
-and copied into the served drafter with vLLM's in-place reloader (``model_loader.reload``: the CPU backend
-repacks linear weights, so a plain ``load_weights`` on a loaded model is wrong). Modules the drafter shares with
-the target (the embedding) are in no published version and keep their tensors.
+in our HF format: :mod:`trainer.snapshots`). A thread of the plugin reads ``current`` every ``poll_seconds``; a
+new version is loaded with our loader, converted to the speculators layout's weight names (what vLLM's drafter
+``load_weights`` maps from) and checked there, off vLLM's engine thread. Between two steps (the runner's
+``execute_model`` starts with :meth:`Reloader.apply`) the engine thread only copies a prepared version into the
+served drafter with vLLM's in-place reloader (``model_loader.reload``: the CPU backend repacks linear weights, so
+a plain ``load_weights`` on a loaded model is wrong). Modules the drafter shares with the target (the embedding)
+are in no published version and keep their tensors.
 
 A version is refused, counted and skipped for good when it cannot be loaded or does not match the served
 drafter's architecture (weight names, shapes, target layers, block size); the old weights keep serving. The
-drafts of a step are logged with the version that drafted them (``drafter_version``).
+drafts of a step are logged with the version that drafted them (``drafter_version``; 0 is the drafter vLLM
+started with). vLLM's requests share one drafter, so a request admitted before a swap is drafted by the new
+version from its next step on, over drafter state the old one computed: the bandit judges a version only on the
+requests whose first step it drafted (docs/vllm.md, "Versions").
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +34,7 @@ from trainer.export.dflash import as_dflash
 from trainer.export.speculators import dflash_layout, eagle3_layout
 from trainer.export.speculators import load as load_speculators
 from trainer.integrations.vllm.config import PluginError
-from trainer.integrations.vllm.metrics import DrafterFigures
+from trainer.integrations.vllm.metrics import PluginFigures
 from trainer.snapshots import read_current
 
 logger = logging.getLogger("trainer.integrations.vllm")
@@ -88,58 +94,99 @@ def reload_in_place(draft: torch.nn.Module, target: torch.nn.Module, vllm_config
     finalize_layerwise_reload(draft, vllm_config.model_config)
 
 
+@dataclass
+class Prepared:
+    """A published version loaded, converted and checked off the engine thread, waiting to be copied in."""
+
+    version: int
+    directory: Path
+    weights: dict[str, torch.Tensor]
+    prepare_ms: float
+
+
 class Reloader:
-    def __init__(self, watch: Path, poll_seconds: float, recorder: Any, figures: DrafterFigures) -> None:
+    """Watches ``watch`` on a thread of its own: a new version is loaded, converted to the served layout and
+    checked against the served drafter's architecture there; :meth:`apply`, called by the engine thread between
+    steps, only copies a prepared version in. ``on_error(phase, error)`` counts what goes wrong (the plugin's
+    fail-open rule); nothing here raises into vLLM after :meth:`attach`."""
+
+    def __init__(self, watch: Path, poll_seconds: float, figures: PluginFigures, on_error: Any) -> None:
         self.watch = Path(watch)
-        # Swaps, refusals and the version serving, for vLLM's /metrics (trainer.integrations.vllm.metrics).
-        self.figures = figures
         self.poll_seconds = poll_seconds
-        self.recorder = recorder
+        self.figures = figures
+        self.on_error = on_error
         self.runner: Any = None
         self.reference: tuple[dict[str, Any], dict[str, tuple]] | None = None
+        # The weights serving now, to restore the drafter when an in-place copy fails half-way.
+        self.serving: dict[str, torch.Tensor] = {}
+        self.version = 0
         self.refused: set[int] = set()
         self.swap_ms: list[float] = []
-        self._next_poll = 0.0
+        self.prepare_ms: list[float] = []
+        self._ready: Prepared | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     @property
     def swaps(self) -> int:
         return len(self.swap_ms)
 
     def attach(self, runner: Any) -> None:
-        """Remember the served drafter's architecture (from the directory vLLM loaded it from)."""
+        """At startup: remember the served drafter's architecture and weights (from the directory vLLM loaded
+        it from) and start watching. Raises :class:`PluginError` when there is nothing to reload into."""
         if runner.get_draft_model() is None:
             raise PluginError(f"TRAINER_VLLM_WATCH={self.watch} needs a drafter in vLLM's speculative config")
+        directory = Path(runner.speculative_config.model)
+        try:
+            fields, weights = layout(served_drafter(directory))
+        except Exception as e:
+            raise PluginError(
+                f"TRAINER_VLLM_WATCH: the served drafter {directory} cannot be read as one of ours "
+                f"({type(e).__name__}: {e}), so published versions could not be checked"
+            ) from None
         self.runner = runner
-        fields, weights = layout(served_drafter(Path(runner.speculative_config.model)))
         self.reference = self._signature(fields, weights)
+        self.serving = weights
+        self.figures.set("version", 0)
+        self._thread = threading.Thread(target=self._watch, name="trainer-vllm-reload", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
 
     @staticmethod
     def _signature(fields: dict[str, Any], weights: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict]:
         return {k: fields.get(k) for k in ARCHITECTURE}, {k: tuple(v.shape) for k, v in weights.items()}
 
-    def poll(self) -> None:
-        now = time.monotonic()
-        if now < self._next_poll:
+    # ---- the watching thread -----------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            try:
+                self.check_once()
+            except Exception as e:  # the thread outlives anything a published directory can do to it
+                self.on_error("reload", e)
+
+    def check_once(self) -> None:
+        """Read ``watch/current`` and prepare a version that is new, not refused and not already waiting."""
+        if self._ready is not None:
             return
-        self._next_poll = now + self.poll_seconds
-        try:
-            current = read_current(self.watch)
-        except Exception as e:  # a torn or foreign pointer: keep serving, say so once per poll
-            logger.warning("trainer plugin: cannot read %s: %s", self.watch, e)
-            return
-        if current is None or current[0] == self.recorder.version or current[0] in self.refused:
+        current = read_current(self.watch)
+        if current is None or current[0] == self.version or current[0] in self.refused:
             return
         version, directory = current
+        start = time.perf_counter()
         try:
-            self.swap(version, directory)
+            weights = self.prepare(directory)
         except RefusedVersion as e:
             self.refused.add(version)
             self.figures.add("refused")
             logger.error("trainer plugin: refused drafter version %d from %s: %s; the old weights keep serving",
                          version, directory, e)  # fmt: skip
+            return
+        self._ready = Prepared(version, directory, weights, 1000 * (time.perf_counter() - start))
 
-    def swap(self, version: int, directory: Path) -> None:
-        start = time.perf_counter()
+    def prepare(self, directory: Path) -> dict[str, torch.Tensor]:
+        """The served layout's weights of the drafter in ``directory``, checked against the served drafter."""
         try:
             drafter = load_drafter(directory)
         except Exception as e:
@@ -153,13 +200,41 @@ class Reloader:
             shapes = [k for k in signature[1] if k in self.reference[1] and signature[1][k] != self.reference[1][k]]
             raise RefusedVersion(f"architecture differs from the served drafter: fields {diff}, "
                                  f"weights missing/extra {sorted(names)[:5]}, shapes {shapes[:5]}")  # fmt: skip
-        # In our dtype: vLLM's weight loaders convert while copying (the drafter's own tensors may be prepacked).
-        reload_in_place(
-            self.runner.get_draft_model(), self.runner.get_model(), self.runner.vllm_config, iter(weights.items())
-        )
-        self.recorder.version = version
-        self.figures.add("swaps")
-        self.figures.set("version", version)
+        return {k: v.detach().contiguous() for k, v in weights.items()}
+
+    # ---- the engine thread -------------------------------------------------------------------------------
+    def apply(self) -> int | None:
+        """Between two steps: copy a prepared version into the served drafter; returns the version now serving
+        when it changed. A copy that fails restores the weights that served before (and counts the failure)."""
+        ready, self._ready = self._ready, None
+        if ready is None:
+            return None
+        start = time.perf_counter()
+        try:
+            self._copy(ready.weights)
+        except Exception as e:
+            self.on_error("swap", e)
+            self._restore()
+            return None
         self.swap_ms.append(1000 * (time.perf_counter() - start))
-        logger.info("trainer plugin: drafter version %d from %s swapped in (%.1f ms)", version, directory,
+        self.prepare_ms.append(ready.prepare_ms)
+        self.serving, self.version = ready.weights, ready.version
+        self.figures.add("swaps")
+        self.figures.set("version", ready.version)
+        logger.info("trainer plugin: drafter version %d from %s swapped in (prepared in %.0f ms off the engine "
+                    "thread; the engine thread paused %.1f ms)", ready.version, ready.directory, ready.prepare_ms,
                     self.swap_ms[-1])  # fmt: skip
+        return ready.version
+
+    def _copy(self, weights: dict[str, torch.Tensor]) -> None:
+        # In our dtype: vLLM's weight loaders convert while copying (the drafter's own tensors may be prepacked).
+        reload_in_place(self.runner.get_draft_model(), self.runner.get_model(), self.runner.vllm_config,
+                        iter(weights.items()))  # fmt: skip
+
+    def _restore(self) -> None:
+        try:
+            self._copy(self.serving)
+        except Exception as e:
+            self.on_error("restore", e)
+            logger.critical("trainer plugin: the drafter could not be restored after a failed swap (%s: %s); "
+                            "restart vLLM", type(e).__name__, e)  # fmt: skip

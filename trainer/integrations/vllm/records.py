@@ -1,0 +1,199 @@
+"""What the plugin logs from vLLM's runner state: the top-k of verified rows, step records, request records.
+
+Pure bookkeeping over the runner's fields (``input_batch.req_ids``, ``requests[req_id]``); no vLLM import, so
+each piece runs against a fake runner in the default test suite. :mod:`trainer.integrations.vllm.hooks` calls it
+from vLLM's step and catches whatever it raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.sampling import top_rows
+from trainer.vlog.recorder import LOGPROB_DECIMALS
+from trainer.vlog.schema import RecordError, request_record, step_record
+
+# vLLM's padding of ``sampled_token_ids`` after the first rejected draft.
+PLACEHOLDER = -1
+# Rows whose log-sum-exp is taken at once: the temporary stays at ROW_CHUNK × V floats at any batch size.
+ROW_CHUNK = 32
+logger = logging.getLogger("trainer.integrations.vllm")
+
+
+class DeviceTop:
+    """The top-k ids and log-probs (temperature 1) of a batch's logit rows, reduced on the device that holds them:
+    only (R, k) ids and values cross to the host. On a CUDA device the copy is asynchronous into pinned memory and
+    the writer thread waits for it (:meth:`rows`); vLLM's step does not. Shape: logits (R, V)."""
+
+    def __init__(self, logits: torch.Tensor, k: int) -> None:
+        with torch.no_grad():
+            logits = logits.detach()
+            ids, values = top_rows(logits, k)
+            lse = torch.cat([torch.logsumexp(rows.float(), -1, keepdim=True) for rows in logits.split(ROW_CHUNK)])
+            logprobs = values.float() - lse
+            self._event: Any = None
+            if logits.device.type == "cuda":
+                self.ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True).copy_(ids, non_blocking=True)
+                self.logprobs = torch.empty(logprobs.shape, pin_memory=True).copy_(logprobs, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
+            else:
+                self.ids, self.logprobs = ids.cpu(), logprobs.cpu()
+        self._host: tuple[np.ndarray, np.ndarray] | None = None
+
+    def rows(self, rows: slice) -> dict[str, np.ndarray]:
+        """``topk_ids`` and ``topk_logprobs`` of ``rows``; a non-finite log-prob refuses the record (a NaN or
+        infinite logit is the target's fault, and the log holds finite log-probs only)."""
+        if self._host is None:
+            if self._event is not None:
+                self._event.synchronize()
+            logprobs = np.round(self.logprobs.numpy().astype(np.float64), LOGPROB_DECIMALS)
+            self._host = self.ids.numpy(), logprobs
+        ids, logprobs = self._host[0][rows], self._host[1][rows]
+        if not np.isfinite(logprobs).all():
+            raise RecordError(f"rows {rows.start}..{rows.stop - 1} of the batch's logits hold non-finite values")
+        return {"topk_ids": ids, "topk_logprobs": logprobs}
+
+
+def shareable_of(value: object) -> bool:
+    """``vllm_xargs.shareable`` as a bool: true/false, 1/0 (JSON numbers or strings)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes"):
+        return True
+    if text in ("0", "false", "no"):
+        return False
+    raise ValueError(f"vllm_xargs.shareable {value!r:.40} is not one of true/false/1/0")
+
+
+def identity(request_id: str, extra_args: dict[str, Any] | None) -> tuple[str | None, bool]:
+    """``(tenant, shareable)`` of a request from its ``vllm_xargs``. A malformed value is logged (by the caller,
+    once per request) and the request is kept private (``shareable: false``): evidence of unknown consent never
+    reaches the shared state."""
+    args = extra_args or {}
+    tenant = args.get("tenant")
+    tenant = None if tenant is None else str(tenant)
+    try:
+        return tenant, shareable_of(args.get("shareable", True))
+    except ValueError as e:
+        logger.warning("trainer plugin: request %s: %s; it is logged as not shareable", request_id, e)
+        return tenant, False
+
+
+def stop_ids(params: Any) -> set[int]:
+    """The token ids that end a request (``check_stop``): EOS unless ignored, and ``stop_token_ids``."""
+    stops = set(params.stop_token_ids or ())
+    if not params.ignore_eos and params.eos_token_id is not None:
+        stops.add(params.eos_token_id)
+    return stops
+
+
+def trimmed(output_ids: list[int], params: Any) -> list[int]:
+    """A worker's view of a finished request's output cut as the scheduler cuts it (``check_stop``): at
+    ``max_tokens`` and after the first stop token (:func:`stop_ids`) past ``min_tokens``. Stop strings are the
+    front end's: an output they ended is logged as far as the worker computed it."""
+    stops = stop_ids(params)
+    out = list(output_ids[: params.max_tokens])
+    for i, token in enumerate(out):
+        if token in stops and i + 1 > params.min_tokens:
+            return out[: i + 1]
+    return out
+
+
+def ended_output(output_ids: list[int], params: Any) -> list[int] | None:
+    """The output of a request that ``output_ids`` finished (its length limit or a stop token, cut as
+    :func:`trimmed` cuts it), or None while it goes on from the worker's view (stop strings and aborts are the
+    front end's)."""
+    cut = trimmed(output_ids, params)
+    by_stop = bool(cut) and cut[-1] in stop_ids(params) and len(cut) > params.min_tokens
+    return cut if by_stop or len(cut) >= params.max_tokens else None
+
+
+@dataclass
+class Served:
+    """What drafts in this vLLM: the drafter's directory (None: drafter-free methods), the method as the log's
+    ``tree``, the chain length, and the drafter version loaded now (0: the one vLLM started with)."""
+
+    drafter: str | None = None
+    tree: str = "vllm"
+    budget: int = 0
+    version: int | None = None
+
+
+@dataclass
+class StepFields:
+    """The runner-side part of one request's step record; the top-k rows are added on the writer thread."""
+
+    batch_index: int
+    first_row: int
+    record: dict = field(default_factory=dict)
+
+    def make(self, top: DeviceTop) -> dict:
+        rows = slice(self.first_row, self.first_row + len(self.record["tokens"]) + 1)
+        return step_record(**self.record, **top.rows(rows))
+
+
+class Recorder:
+    """Step and request records from the runner's state: per-request step counters and identities, the served
+    drafter and the version that drafted the pending drafts, the timings of the step."""
+
+    def __init__(self, server: str) -> None:
+        self.server = server
+        self.served = Served()
+        self.steps: dict[str, int] = {}
+        self.identities: dict[str, tuple[str | None, bool]] = {}
+        # The version (and the milliseconds) that made the drafts this step verifies.
+        self.drafted_version: int | None = None
+        self.draft_ms = 0.0
+
+    def identity_of(self, request_id: str, extra_args: dict[str, Any] | None) -> tuple[str | None, bool]:
+        if request_id not in self.identities:
+            self.identities[request_id] = identity(request_id, extra_args)
+        return self.identities[request_id]
+
+    def step_fields(self, runner: Any, metadata: Any, sampled: np.ndarray, verify_ms: float) -> list[StepFields]:
+        """The step records of every request of the batch that verified this step (prefill chunks are not
+        steps). ``sampled`` (B, max N + 1) committed tokens, -1 padded; ``metadata`` vLLM's spec-decode metadata
+        (None when nothing was drafted)."""
+        req_ids = runner.input_batch.req_ids
+        drafts = [0] * len(req_ids) if metadata is None else metadata.num_draft_tokens
+        draft_ids = np.zeros(0, np.int64) if metadata is None else metadata.draft_token_ids.cpu().numpy()
+        ms = {"draft": self.draft_ms, "tree": 0.0, "verify": verify_ms}
+        out = []
+        row = first_draft = 0
+        for b, req_id in enumerate(req_ids):
+            n = drafts[b]
+            state = runner.requests[req_id]
+            pos = state.num_computed_tokens
+            # A verification: the root is the last committed token (a prefill chunk or a recompute is not).
+            if state.num_prompt_tokens <= pos == state.num_tokens - 1:
+                valid = sampled[b][sampled[b] != PLACEHOLDER]
+                tenant, shareable = self.identity_of(req_id, state.sampling_params.extra_args)
+                step = self.steps.get(req_id, 0)
+                self.steps[req_id] = step + 1
+                record = dict(
+                    server=self.server, request=req_id, tenant=tenant, shareable=shareable, step=step,
+                    drafter=self.served.drafter,
+                    drafter_version=self.drafted_version if self.served.drafter is not None else None,
+                    tree=self.served.tree, budget=max(self.served.budget, n), pos=pos, root=state.get_token_id(pos),
+                    tokens=draft_ids[first_draft : first_draft + n], parents=np.arange(-1, n - 1),
+                    accepted=list(range(len(valid) - 1)), bonus=int(valid[-1]), ms=ms,
+                )  # fmt: skip
+                out.append(StepFields(b, row, record))
+            row += n + 1
+            first_draft += n
+        return out
+
+    def request_record(self, request_id: str, params: Any, prompt_ids: list[int], output_ids: list[int]) -> dict:
+        """The request record of a finished request; forgets its counters."""
+        self.steps.pop(request_id, None)
+        tenant, shareable = self.identity_of(request_id, params.extra_args)
+        self.identities.pop(request_id, None)
+        return request_record(server=self.server, request=request_id, tenant=tenant, shareable=shareable,
+                              prompt_ids=list(prompt_ids or []), output_ids=list(output_ids))  # fmt: skip
