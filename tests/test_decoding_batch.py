@@ -435,4 +435,4 @@ def test_a_drafter_that_cannot_serve_the_engines_builders_is_refused_when_set(sh
     engine = BatchEngine(target, drafter, ("ddtree",), Fixed("ddtree", 8))
     with pytest.raises(UserError, match="'ddtree' needs a DFlash or TreeFlash drafter"):
         engine.set_drafter(eagle, 1)
-    assert engine.drafter is drafter and engine.drafter_version is None
+    assert engine.drafter is drafter and engine.drafter_version == 0

@@ -292,7 +292,8 @@ class BatchEngine:
         self.trees = tuple(dict.fromkeys(("none", *trees)))
         self._check(drafter)
         self.drafter = drafter
-        self.drafter_version: int | None = None
+        # 0: the drafter the server started with; published versions count from 1 (docs/verifier_log.md).
+        self.drafter_version: int | None = None if drafter is None else 0
         self.policy = policy
         self.options = options
         self.on_step = on_step

@@ -179,10 +179,11 @@ class Plugin:
         logger.info("trainer plugin: runner hooked: log %s (prefix %s), watch %s", self.config.log_dir,
                     self.config.prefix, self.config.watch)  # fmt: skip
 
-    def load_model(self, original: Callable, runner: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(runner, *args, **kwargs)
+    def load_model(self, original: Callable, worker: Any, *args: Any, **kwargs: Any) -> Any:
+        """The worker's ``load_model`` (the CPU runner overrides the runner's own, the worker's is common)."""
+        result = original(worker, *args, **kwargs)
         if self.reloader is not None:
-            self.reloader.attach(runner)
+            self.reloader.attach(worker.model_runner)
             logger.info("trainer plugin: watching %s for drafter versions (the one vLLM loaded is version 0)",
                         self.config.watch)  # fmt: skip
         return result
@@ -361,14 +362,20 @@ def patch(owner: Any, name: str, hook: Callable) -> None:
     setattr(owner, name, routed)
 
 
+class ToVllmLog(logging.Handler):
+    """Hands the plugin's records to vLLM's ``vllm`` logger, whose handlers vLLM configures (and may configure
+    again) after the plugin is loaded: the plugin's lines appear in vLLM's log, in its format."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
 def show_in_vllm_log() -> None:
-    """The plugin's INFO lines in vLLM's own log: its logger takes the handlers vLLM configured for ``vllm``."""
-    ours, theirs = logger, logging.getLogger("vllm")
-    if not ours.handlers and theirs.handlers:
-        for handler in theirs.handlers:
-            ours.addHandler(handler)
-        ours.setLevel(logging.INFO)
-        ours.propagate = False
+    """The plugin's INFO lines (startup, swaps, refusals, the self-check) in vLLM's own log."""
+    if not any(isinstance(h, ToVllmLog) for h in logger.handlers):
+        logger.addHandler(ToVllmLog())
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 _installed: Plugin | None = None
@@ -389,7 +396,7 @@ def install(config: PluginConfig) -> Plugin:
     runner = gpu_model_runner.GPUModelRunner
     patch(gpu_worker.Worker, "__init__", plugin.worker_init)
     patch(runner, "__init__", plugin.runner_init)
-    patch(runner, "load_model", plugin.load_model)
+    patch(gpu_worker.Worker, "load_model", plugin.load_model)
     patch(runner, "execute_model", plugin.execute_model)
     patch(runner, "_sample", plugin.sample)
     patch(runner, "propose_draft_token_ids", plugin.propose)

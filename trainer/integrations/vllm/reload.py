@@ -205,15 +205,18 @@ class Reloader:
     # ---- the engine thread -------------------------------------------------------------------------------
     def apply(self) -> int | None:
         """Between two steps: copy a prepared version into the served drafter; returns the version now serving
-        when it changed. A copy that fails restores the weights that served before (and counts the failure)."""
+        when it changed. A copy that fails restores the weights that served before, counts the failure and
+        refuses the version."""
         ready, self._ready = self._ready, None
         if ready is None:
             return None
         start = time.perf_counter()
         try:
             self._copy(ready.weights)
-        except Exception as e:
+        except Exception as e:  # refused for good: a copy that failed once is not retried every poll
             self.on_error("swap", e)
+            self.refused.add(ready.version)
+            self.figures.add("refused")
             self._restore()
             return None
         self.swap_ms.append(1000 * (time.perf_counter() - start))
