@@ -124,6 +124,7 @@ class Reloader:
         self.swap_ms: list[float] = []
         self.prepare_ms: list[float] = []
         self._ready: Prepared | None = None
+        self._taken = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -171,9 +172,11 @@ class Reloader:
         if self._ready is not None:
             return
         current = read_current(self.watch)
-        if current is None or current[0] == self.version or current[0] in self.refused:
+        if current is None or current[0] in (self.version, self._taken) or current[0] in self.refused:
             return
         version, directory = current
+        # Taken once: while the engine thread copies it in, ``version`` still names the old one.
+        self._taken = version
         start = time.perf_counter()
         try:
             weights = self.prepare(directory)
@@ -200,7 +203,8 @@ class Reloader:
             shapes = [k for k in signature[1] if k in self.reference[1] and signature[1][k] != self.reference[1][k]]
             raise RefusedVersion(f"architecture differs from the served drafter: fields {diff}, "
                                  f"weights missing/extra {sorted(names)[:5]}, shapes {shapes[:5]}")  # fmt: skip
-        return {k: v.detach().contiguous() for k, v in weights.items()}
+        # Copies in memory: safetensors maps the file lazily, and reading it belongs here, not in the engine's pause.
+        return {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in weights.items()}
 
     # ---- the engine thread -------------------------------------------------------------------------------
     def apply(self) -> int | None:
