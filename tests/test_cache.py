@@ -1,4 +1,5 @@
 import json
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -141,3 +142,42 @@ def test_draft_vocab_mapping():
     assert vocab.d2t.tolist() == [2, 2, 3]
     assert vocab.to_draft(torch.tensor([5, 2])).tolist() == [2, 0]
     assert np.all(np.diff(vocab.d2t.numpy()) >= 0)
+
+
+def test_vllm_engine_hands_the_job_to_vllms_python(model_dir, spec, tmp_path, monkeypatch):
+    """Without vLLM here, ``--engine vllm`` runs the whole job in vLLM's environment: the arguments cross as JSON (the
+    spec as a dict) and come back a DataSpec there (tests/test_vllm_data.py runs the engine itself)."""
+    import trainer.data.vllm_main as vllm_main
+
+    monkeypatch.setattr(cache_mod, "vllm_importable", lambda: False)
+    monkeypatch.delenv("TRAINER_VLLM_PYTHON", raising=False)
+    with pytest.raises(UserError, match="TRAINER_VLLM_PYTHON"):
+        run_cache(model_dir, spec, tmp_path / "c", engine="vllm")
+    record = tmp_path / "argv.json"
+    python = tmp_path / "vllm_python"
+    python.write_text(f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n")
+    python.chmod(0o755)
+    run_cache(model_dir, spec, tmp_path / "c", engine="vllm", vllm_python=str(python))
+    assert not (tmp_path / "c").exists(), "the job ran here instead of in vLLM's environment"
+    argv = json.loads(record.read_text())
+    assert argv[:3] == ["-m", "trainer.data.vllm_main", "cache"]
+
+    received = {}
+    monkeypatch.setattr(vllm_main, "vllm_importable", lambda: True)
+    monkeypatch.setattr(vllm_main, "cache_features", lambda **kw: received.update(kw))
+    vllm_main.main(argv[2:])
+    assert received["spec"] == spec and received["layers"] == LAYERS and received["engine"] == "vllm"
+    assert (received["topk"], received["shard_rows"], received["batch_size"]) == (TOPK, 2, 2)
+    with pytest.raises(UserError, match="--engine 'tpu'"):
+        run_cache(model_dir, spec, tmp_path / "c", engine="tpu")
+
+
+def test_manifest_names_the_engines_that_wrote_it(model_dir, spec, tmp_path):
+    run_cache(model_dir, spec, tmp_path / "c")
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert manifest["engines"] == ["hf"]
+    # A cache from before the field was written by the HF engine: a resume keeps saying so.
+    del manifest["engines"]
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps(manifest))
+    run_cache(model_dir, spec, tmp_path / "c")
+    assert json.loads((tmp_path / "c" / "manifest.json").read_text())["engines"] == ["hf"]

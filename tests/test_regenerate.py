@@ -315,3 +315,137 @@ def test_text_windows_are_continued_and_read_back_as_text(model_dir: Path, tmp_p
     limited = tmp_path / "limited.jsonl"
     regenerate(str(model_dir), [str(docs)], str(limited), max_new_tokens=new, format="text", prompt_tokens=8, limit=2)
     assert [r["id"] for r in records(limited.read_bytes())] == [rows[0]["id"], rows[len(rows) // 2]["id"]]
+
+
+# --engine vllm, as far as it goes without vLLM: the choice on the command line, the refusal that says how to get
+# vLLM's environment, the hand-over to that environment's python (here a stand-in script), and the context check a
+# vLLM engine brings. tests/test_vllm_data.py runs the engine itself in vLLM's environment.
+
+
+def test_engine_choice_is_on_the_command_line(capsys) -> None:
+    from trainer.data.cli import main as data_main
+
+    for command in ("regenerate", "cache"):
+        with pytest.raises(SystemExit):
+            data_main([command, "--help"])
+        text = capsys.readouterr().out
+        assert "--engine {hf,vllm}" in text and "default: hf" in text.split("--engine {hf,vllm}", 2)[2]
+        assert "--vllm_python" in text
+
+
+def test_vllm_engine_without_vllm_says_how(model_dir: Path, chats: Path, tmp_path: Path, monkeypatch) -> None:
+    import trainer.data.regenerate as r
+
+    monkeypatch.setattr(r, "vllm_importable", lambda: False)
+    monkeypatch.delenv("TRAINER_VLLM_PYTHON", raising=False)
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(UserError, match=r"TRAINER_VLLM_PYTHON.*\.ci/vllm_env"):
+        regenerate(str(model_dir), [str(chats)], str(out), engine="vllm")
+    with pytest.raises(UserError, match="no_such_python"):
+        regenerate(str(model_dir), [str(chats)], str(out), engine="vllm", vllm_python=str(tmp_path / "no_such_python"))
+    with pytest.raises(UserError, match="--device cpu is for --engine hf"):
+        regenerate(str(model_dir), [str(chats)], str(out), engine="vllm", device="cpu")
+    assert not out.exists()
+
+
+STAND_IN = """#!{python}
+import json, os, sys, time
+names = ("VLLM_ENABLE_V1_MULTIPROCESSING", "PYTHONPATH")
+record = {{"argv": sys.argv[1:], "env": {{k: os.environ.get(k) for k in names}}, "pid": os.getpid()}}
+with open({record!r}, "w") as f:
+    json.dump(record, f)
+time.sleep(float(os.environ.get("STAND_IN_SLEEP", "0")))
+sys.exit(int(os.environ.get("STAND_IN_EXIT", "0")))
+"""
+
+
+def stand_in(tmp_path: Path) -> tuple[Path, Path]:
+    """An executable that plays vLLM's python: it records its arguments, environment and pid."""
+    record = tmp_path / "record.json"
+    script = tmp_path / "vllm_python"
+    script.write_text(STAND_IN.format(python=sys.executable, record=str(record)))
+    script.chmod(0o755)
+    return script, record
+
+
+def test_vllm_engine_runs_the_job_in_vllm_python(model_dir: Path, chats: Path, tmp_path: Path, monkeypatch) -> None:
+    import trainer.data.regenerate as r
+
+    monkeypatch.setattr(r, "vllm_importable", lambda: False)
+    python, record = stand_in(tmp_path)
+    monkeypatch.setenv("TRAINER_VLLM_PYTHON", str(python))
+    out = tmp_path / "out.jsonl"
+    regenerate(str(model_dir), [str(chats)], str(out), temperature=0.5, seed=3, max_new_tokens=7, engine="vllm",
+               chat_template_kwargs={"enable_thinking": False})  # fmt: skip
+    seen = json.loads(record.read_text())
+    assert seen["argv"][:3] == ["-m", "trainer.data.vllm_main", "regenerate"]
+    arguments = json.loads(seen["argv"][3])
+    assert arguments["data"] == [str(chats)] and arguments["output"] == str(out)
+    assert (arguments["temperature"], arguments["seed"], arguments["max_new_tokens"]) == (0.5, 3, 7)
+    assert arguments["chat_template_kwargs"] == {"enable_thinking": False}
+    # The child runs the engine in process (no second hand-over) and this checkout's code.
+    assert arguments["engine"] == "vllm" and arguments["vllm_python"] is None
+    assert seen["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
+    # The child's failure is the command's, with its exit code.
+    monkeypatch.setenv("STAND_IN_EXIT", "3")
+    with pytest.raises(UserError, match="exit code 3"):
+        regenerate(str(model_dir), [str(chats)], str(out), engine="vllm")
+
+
+HANDING_OVER = """
+import sys
+from trainer.data.vllm_engine import run_in_vllm_env
+run_in_vllm_env("regenerate", {}, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_killed_command_takes_vllms_process_with_it(tmp_path: Path) -> None:
+    python, record = stand_in(tmp_path)
+    env = {**os.environ, "STAND_IN_SLEEP": "60", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    parent = subprocess.Popen([sys.executable, "-c", HANDING_OVER, str(python)], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not record.exists() or not record.read_text():
+            assert parent.poll() is None and time.monotonic() < deadline, "the stand-in never started"
+            time.sleep(0.02)
+        time.sleep(0.1)  # the record is written before the stand-in sleeps
+        child = json.loads(record.read_text())["pid"]
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child}").exists() and "zombie" not in _state(child):
+            assert time.monotonic() < deadline, "vLLM's process outlived the killed command: it could race a rerun"
+            time.sleep(0.02)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1].split("\n", 1)[0].lower()
+    except (OSError, IndexError):
+        return "gone"
+
+
+def test_a_prompt_longer_than_the_engine_context_is_named(model_dir: Path, chats: Path, tmp_path: Path, monkeypatch):
+    import trainer.data.regenerate as r
+
+    # The vLLM branch with the HF model behind it, and a context as small as a vLLM engine might report.
+    model, _ = r.load_target(str(model_dir), torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(r, "vllm_importable", lambda: True)
+    monkeypatch.setattr(r, "vllm_engine", lambda target, dtype: r.Engine(r.hf_engine(model).generate, context=40))
+    out = tmp_path / "out.jsonl"
+    too_long = (
+        rf"{chats}:1 \(assistant turn 0\): a prompt of \d+ tokens plus max_new_tokens=30 exceeds the target's context"
+    )
+    with pytest.raises(UserError, match=too_long + " of 40 tokens"):
+        regenerate(str(model_dir), [str(chats)], str(out), max_new_tokens=30, engine="vllm")
+    # Within the context, the vLLM branch writes what the HF engine writes.
+    monkeypatch.setattr(r, "vllm_engine", lambda target, dtype: r.Engine(r.hf_engine(model).generate, context=4096))
+    regenerate(str(model_dir), [str(chats)], str(out), max_new_tokens=MAX_NEW, batch_size=2, engine="vllm")
+    hf_out = tmp_path / "hf.jsonl"
+    regenerate(str(model_dir), [str(chats)], str(hf_out), max_new_tokens=MAX_NEW, batch_size=2)
+    assert out.read_bytes() == hf_out.read_bytes()

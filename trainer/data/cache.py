@@ -24,6 +24,7 @@ import math
 import warnings
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
@@ -34,6 +35,7 @@ from torch.utils.data import Dataset
 from trainer.data.features import online_features
 from trainer.data.pack import PackedRow, collate, loss_token_counts
 from trainer.data.prepare import DataSpec, data_tokenizer, load_tokenizer, prepare
+from trainer.data.vllm_engine import VllmFeatures, run_in_vllm_env, vllm_importable
 from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
 from trainer.io import atomic_path, write_text_atomic
@@ -103,6 +105,8 @@ def cache_features(
     batch_size: int = 4,
     dtype: str = "float32",
     draft_vocab_size: int | None = None,
+    engine: Literal["hf", "vllm"] = "hf",
+    vllm_python: str | None = None,
 ) -> None:
     """Run the target over the prepared rows of ``spec`` and write features and teacher top-k to ``out``.
 
@@ -113,14 +117,29 @@ def cache_features(
         spec: the data, exactly as the training recipe states it (its tokenizer defaults to the target's).
         topk: teacher tokens kept per position.
         shard_rows: rows per shard file (the unit of resume).
-        batch_size: rows per target forward.
+        batch_size: rows per target forward (engine hf; vLLM runs one document per forward).
         dtype: target compute dtype; features are stored as float16 whatever it is.
         draft_vocab_size: also write d2t/t2d for a reduced draft vocabulary of this size.
+        engine: what runs the target: hf (transformers in this process) or vllm (vLLM's offline engine: in this
+            process when vLLM is importable here, else in vLLM's environment, see vllm_python); the same cache
+            either way, within float32 rounding.
+        vllm_python: engine vllm only: the python of vLLM's environment, used when vLLM is not importable here;
+            default $TRAINER_VLLM_PYTHON.
     """
+    if engine not in ("hf", "vllm"):
+        raise UserError(f"--engine {engine!r} is not one of hf, vllm")
+    if engine == "vllm" and not vllm_importable():
+        arguments = dict(
+            target=target, layers=list(layers), out=out, spec=asdict(spec), topk=topk, shard_rows=shard_rows,
+            batch_size=batch_size, dtype=dtype, draft_vocab_size=draft_vocab_size, engine=engine,
+        )  # fmt: skip
+        run_in_vllm_env("cache", arguments, vllm_python)
+        return
     out_dir = Path(out)
     spec = replace(spec, tokenizer=data_tokenizer(spec.tokenizer, target))
     config = _manifest_config(target, layers, topk, spec, shard_rows)
     manifest_path = out_dir / "manifest.json"
+    old = None
     if manifest_path.exists():
         old = _read_manifest(manifest_path)
         if old["config"] != config:
@@ -137,6 +156,8 @@ def cache_features(
         "rows": {s: len(r) for s, r in rows.items()},
         "tokens": {s: sum(len(r.input_ids) for r in rs) for s, rs in rows.items()},
         "shard_rows": shard_rows,
+        # Which engines wrote shards (a resume may use another one); a cache from before the field: the HF engine.
+        "engines": sorted({*(old.get("engines", ["hf"]) if old else []), engine}),
         "complete": False,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -145,8 +166,18 @@ def cache_features(
         counts = loss_token_counts(map(vars, prepared.train), len(tokenizer))
         DraftVocab.from_counts(counts, draft_vocab_size).save(out_dir / "draft_vocab.safetensors")
 
-    model = Target.from_pretrained(target, layers, dtype=dtype)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if engine == "vllm":
+        vllm = VllmFeatures(target, layers, topk, dtype, spec.max_length)
+
+        def compute(chunk: list[PackedRow]) -> dict:
+            return _compute_vllm(vllm, chunk)
+    else:
+        model = Target.from_pretrained(target, layers, dtype=dtype)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+        def compute(chunk: list[PackedRow]) -> dict:
+            return _compute(model, chunk, topk, batch_size, pad)
+
     total = sum(len(r) for r in rows.values())
     with Progress() as progress:
         task = progress.add_task("caching features", total=total)
@@ -155,13 +186,22 @@ def cache_features(
                 chunk = split_rows[shard * shard_rows : (shard + 1) * shard_rows]
                 path = _shard_path(out_dir, split, shard)
                 if not path.exists():
-                    _write_shard(path, _compute(model, chunk, topk, batch_size, pad))
+                    _write_shard(path, compute(chunk))
                 progress.advance(task, len(chunk))
     manifest["complete"] = True
     write_text_atomic(manifest_path, json.dumps(manifest, indent=1))
     size = sum(p.stat().st_size for p in out_dir.rglob("*.arrow"))
     tokens = sum(manifest["tokens"].values())
-    print(f"cached {total} rows, {tokens} tokens, {size / tokens:.0f} bytes/token -> {out_dir}")
+    print(f"cached {total} rows, {tokens} tokens, {size / tokens:.0f} bytes/token -> {out_dir} (engine {engine})")
+
+
+def _append(columns: dict[str, list[np.ndarray]], row: dict, feats: dict[str, torch.Tensor]) -> None:
+    """One row's columns in their stored dtypes; ``feats``: the row's (T, ...) features and teacher top-k."""
+    for key in ("input_ids", "loss_mask", "position_ids", "doc_ids"):
+        columns[key].append(np.asarray(row[key], dtype=COLUMNS[key].to_pandas_dtype()))
+    columns["features"].append(feats["features"].to(torch.float16).flatten().numpy())
+    columns["teacher_topk_ids"].append(feats["teacher_topk_ids"].to(torch.int32).flatten().numpy())
+    columns["teacher_topk_logprobs"].append(feats["teacher_topk_logprobs"].to(torch.float16).flatten().numpy())
 
 
 def _compute(model: Target, rows: list[PackedRow], topk: int, batch_size: int, pad: int) -> dict:
@@ -172,13 +212,15 @@ def _compute(model: Target, rows: list[PackedRow], topk: int, batch_size: int, p
         feats = online_features(model, batch, topk)
         for i, row in enumerate(part):
             n = len(row["input_ids"])
-            for key in ("input_ids", "loss_mask", "position_ids", "doc_ids"):
-                columns[key].append(np.asarray(row[key], dtype=COLUMNS[key].to_pandas_dtype()))
-            columns["features"].append(feats["features"][i, :n].to(torch.float16).flatten().numpy())
-            columns["teacher_topk_ids"].append(feats["teacher_topk_ids"][i, :n].to(torch.int32).flatten().numpy())
-            columns["teacher_topk_logprobs"].append(
-                feats["teacher_topk_logprobs"][i, :n].to(torch.float16).flatten().numpy()
-            )
+            _append(columns, row, {key: value[i, :n] for key, value in feats.items()})
+    return columns
+
+
+def _compute_vllm(engine: VllmFeatures, rows: list[PackedRow]) -> dict:
+    columns: dict[str, list[np.ndarray]] = {name: [] for name in COLUMNS}
+    part = [vars(r) for r in rows]
+    for row, feats in zip(part, engine(part), strict=True):
+        _append(columns, row, feats)
     return columns
 
 

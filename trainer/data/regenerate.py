@@ -20,6 +20,13 @@ earlier turns already regenerated*; user, system and tool turns are kept as they
   end-of-text token or after ``max_new_tokens``. Each output line is ``{"id", "source", "text"}`` (prompt and
   continuation, decoded), ``id`` being ``file@offset``; training reads it as text (``format: text``), tokenized
   again (a few tokens may merge differently from the ones the target wrote).
+- ``--engine vllm`` writes with vLLM's offline engine (:mod:`trainer.data.vllm_engine`) instead of transformers'
+  ``generate``: the same prompts, stop rule, ids, per-turn seeds, output and resume. Greedy fp32 replies equal the
+  HF engine's token for token on the tiny target; sampled ones come from vLLM's per-request generators seeded by
+  the same (``seed``, id, turn), so a seed reproduces them whatever the batch or a resume, though they are other
+  draws than the HF engine's (the same distribution: ``tests/test_vllm_data.py`` compares the two). Where vLLM is
+  not importable, the job runs in the python of vLLM's environment (``--vllm_python`` or ``$TRAINER_VLLM_PYTHON``).
+  ``benchmarks/data_engines.py`` (in vLLM's environment) prints both engines' tokens/s and their ratio.
 - The output is JSON Lines, one ``{"id", "source", "messages"}`` per input conversation in input order; ``id``
   is the input's ``file:line`` (or ``file#row``). Lines are appended and flushed as each batch finishes, so a
   run killed at any moment is resumed by running the same command again: a torn last line is cut off and
@@ -36,6 +43,11 @@ or, continuing stdlib text at the temperature of the evaluation::
     trainer data regenerate --format text --target checkpoints/target_tiny --data stdlib:train \\
         --output data/regenerated/stdlib_tiny.jsonl --prompt_tokens 64 --max_new_tokens 192 --limit 1500 \\
         --temperature 0.7 --batch_size 32
+
+and with vLLM's engine, from the main environment (``.ci/vllm_env .venv-vllm`` makes vLLM's)::
+
+    TRAINER_VLLM_PYTHON=.venv-vllm/bin/python OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 trainer data regenerate \\
+        --engine vllm --target checkpoints/target_tiny --data chats.jsonl --output regen.jsonl --max_new_tokens 64
 """
 
 from __future__ import annotations
@@ -43,7 +55,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -63,6 +75,7 @@ from transformers import (
 from trainer.data.prepare import load_tokenizer
 from trainer.data.render import stop_token_ids, turn_end_marker
 from trainer.data.sources import LoadReport, load_chat, load_text
+from trainer.data.vllm_engine import run_in_vllm_env, vllm_importable
 from trainer.devices import parse_device, parse_dtype
 from trainer.errors import UserError
 from trainer.sampling import draw, nucleus
@@ -94,6 +107,41 @@ class WriteSettings:
     top_p: float
     max_new_tokens: int
     seed: int
+
+
+@dataclass
+class Engine:
+    """What writes the replies: ``generate(prompts, stops, max_new_tokens, temperature, top_p, seeds)`` as
+    :func:`generate_batch` after its model, and the longest prompt plus reply it can hold (None: not checked)."""
+
+    generate: Callable[..., list[tuple[list[int], bool]]]
+    context: int | None = None
+
+    def check(self, prompts: Sequence[Sequence[int]], ids: Sequence[str], max_new_tokens: int) -> None:
+        """A UserError naming the first prompt that leaves no room for ``max_new_tokens`` in the context."""
+        if self.context is None:
+            return
+        for prompt, conversation_id in zip(prompts, ids, strict=True):
+            if len(prompt) + max_new_tokens > self.context:
+                raise UserError(
+                    f"{conversation_id}: a prompt of {len(prompt)} tokens plus max_new_tokens={max_new_tokens} "
+                    f"exceeds the target's context of {self.context} tokens (vLLM's max_model_len); lower "
+                    "--max_new_tokens or drop the conversation from the data"
+                )
+
+
+def hf_engine(model: PreTrainedModel) -> Engine:
+    """``model.generate`` in this process (:func:`generate_batch`)."""
+    # generate_batch is looked up at every call, so a test that wraps the module's function wraps this engine.
+    return Engine(lambda *args: generate_batch(model, *args))
+
+
+def vllm_engine(target: str, dtype: str) -> Engine:
+    """vLLM's offline engine in this process (:class:`trainer.data.vllm_engine.VllmGenerator`)."""
+    from trainer.data.vllm_engine import VllmGenerator
+
+    generator = VllmGenerator(target, dtype)
+    return Engine(lambda prompts, stops, *args: generator(prompts, stops.ids, *args), generator.context)
 
 
 def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
@@ -243,7 +291,7 @@ def _clean(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _regenerate_batch(
-    model: PreTrainedModel,
+    engine: Engine,
     tokenizer: PreTrainedTokenizerBase,
     stops: Stops,
     batch: Sequence[dict[str, Any]],
@@ -268,10 +316,9 @@ def _regenerate_batch(
         if not waiting:
             return done, capped
         prompts = [prompt_ids(tokenizer, done[i], **template_kwargs) for i in waiting]
+        engine.check(prompts, [f"{batch[i]['id']} (assistant turn {turn})" for i in waiting], settings.max_new_tokens)
         seeds = [turn_seed(settings.seed, batch[i]["id"], turn) for i in waiting]
-        replies = generate_batch(
-            model, prompts, stops, settings.max_new_tokens, settings.temperature, settings.top_p, seeds
-        )
+        replies = engine.generate(prompts, stops, settings.max_new_tokens, settings.temperature, settings.top_p, seeds)
         for i, (ids, stopped) in zip(waiting, replies, strict=True):
             done[i].append({"role": "assistant", "content": reply_text(tokenizer, ids, stops)})
             cursor[i] += 1
@@ -306,7 +353,7 @@ def text_windows(
 
 
 def _continue_batch(
-    model: PreTrainedModel,
+    engine: Engine,
     tokenizer: PreTrainedTokenizerBase,
     stops: Stops,
     batch: Sequence[dict[str, Any]],
@@ -315,9 +362,8 @@ def _continue_batch(
     """Each window's prompt and the target's continuation as text, and how many continuations hit the cap."""
     seeds = [turn_seed(settings.seed, row["id"], 0) for row in batch]
     prompts = [row["prompt"] for row in batch]
-    replies = generate_batch(
-        model, prompts, stops, settings.max_new_tokens, settings.temperature, settings.top_p, seeds
-    )
+    engine.check(prompts, [row["id"] for row in batch], settings.max_new_tokens)
+    replies = engine.generate(prompts, stops, settings.max_new_tokens, settings.temperature, settings.top_p, seeds)
     texts = [tokenizer.decode(row["prompt"] + ids) for row, (ids, _) in zip(batch, replies, strict=True)]
     return texts, sum(not stopped for _, stopped in replies)
 
@@ -358,6 +404,8 @@ def regenerate(
     format: Literal["chat", "text"] = "chat",
     prompt_tokens: int = 64,
     limit: int | None = None,
+    engine: Literal["hf", "vllm"] = "hf",
+    vllm_python: str | None = None,
 ) -> None:
     """Replace every assistant turn of chat conversations with the target model's own reply (or continue text
     prompts, ``format: text``).
@@ -380,13 +428,17 @@ def regenerate(
         seed: Seed of the sampling streams; the same seed gives the same output.
         strict: Stop at the first malformed input row instead of skipping it with a report.
         dtype: Weight dtype of the target: one of float32, bfloat16, float16.
-        device: Device of the target: cpu, cuda or cuda:N; default the first GPU when there is one, otherwise
-            the CPU.
+        device: Device of the target (engine hf): cpu, cuda or cuda:N; default the first GPU when there is one,
+            otherwise the CPU. vLLM runs on the device of its build.
         chat_template_kwargs: Template variables, e.g. {enable_thinking: false} for Qwen3; use the same ones
             as the training recipe's data.spec.chat_template_kwargs so prompts render as training sees them.
         format: chat (conversations) or text (plain text and code files, stdlib:train etc.; JSONL of "text").
         prompt_tokens: text only: tokens of a window the target is given; it writes max_new_tokens after them.
         limit: text only: at most this many windows, spread evenly over the corpus; default all.
+        engine: what generates: hf (transformers in this process) or vllm (vLLM's offline engine: in this process
+            when vLLM is importable here, else in vLLM's environment, see vllm_python); the same output either way.
+        vllm_python: engine vllm only: the python of vLLM's environment, used when vLLM is not importable here;
+            default $TRAINER_VLLM_PYTHON.
     """
     _check_args(temperature, top_p, max_new_tokens, batch_size)
     torch_device, torch_dtype = parse_device(device), parse_dtype(dtype)
@@ -394,6 +446,20 @@ def regenerate(
         raise UserError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
     if limit is not None and limit < 1:
         raise UserError(f"limit must be >= 1, got {limit}")
+    if engine == "vllm":
+        if device is not None:
+            raise UserError(f"--device {device} is for --engine hf; vLLM runs on the device of its build")
+        if not vllm_importable():
+            arguments = dict(
+                target=target, data=data, output=output, temperature=temperature, top_p=top_p,
+                max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, strict=strict, dtype=dtype,
+                chat_template_kwargs=chat_template_kwargs, format=format, prompt_tokens=prompt_tokens, limit=limit,
+                engine=engine,
+            )  # fmt: skip
+            run_in_vllm_env("regenerate", arguments, vllm_python)
+            return
+    elif engine != "hf":
+        raise UserError(f"--engine {engine!r} is not one of hf, vllm")
     template_kwargs = chat_template_kwargs or {}
     out_path = Path(output)
     _check_output_not_input(out_path, data)
@@ -431,7 +497,11 @@ def regenerate(
     format_key = "text" if format == "text" else "messages"
     settings = WriteSettings(temperature, top_p, max_new_tokens, seed)
     if pending:
-        model, tokenizer = load_target(target, torch_dtype, torch_device)
+        if engine == "vllm":
+            tokenizer, writer = load_tokenizer(target), vllm_engine(target, dtype)
+        else:
+            model, tokenizer = load_target(target, torch_dtype, torch_device)
+            writer = hf_engine(model)
         stops = text_stops(tokenizer) if format == "text" else stop_tokens(tokenizer)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         columns = (
@@ -450,10 +520,10 @@ def regenerate(
             for start in range(0, len(pending), batch_size):
                 batch = pending[start : start + batch_size]
                 if format == "text":
-                    outputs, batch_capped = _continue_batch(model, tokenizer, stops, batch, settings)
+                    outputs, batch_capped = _continue_batch(writer, tokenizer, stops, batch, settings)
                 else:
                     outputs, batch_capped = _regenerate_batch(
-                        model, tokenizer, stops, batch, settings, dict(template_kwargs)
+                        writer, tokenizer, stops, batch, settings, dict(template_kwargs)
                     )
                 for row, output in zip(batch, outputs, strict=True):
                     record = {"id": row["id"], "source": row["source"], format_key: output}
