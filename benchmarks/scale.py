@@ -42,6 +42,16 @@ width 64, the real vocabulary) and runs on the CPU in seconds::
 
     OMP_NUM_THREADS=1 python benchmarks/scale.py --shrink --recipes treeflash_qwen3_4b,eagle3_qwen3_8b
 
+``--devices N`` runs each fit on N GPUs, or with ``--shrink`` on N CPU processes over gloo, under the recipe's own
+strategy (DDP, FSDP2); on the CPU a DeepSpeed recipe runs as its ZeRO stage's counterpart (:func:`cpu_strategy`:
+ZeRO-1/2 as DDP, ZeRO-3 as FSDP2), since Lightning's DeepSpeed needs CUDA. A recipe that trains from a feature
+cache (``data.features: offline``) gets one first, built by ``trainer data cache`` from the run's data spec
+(:func:`build_cache`). The report also says what ran (strategy, processes, precision, callbacks, checkpointed
+drafter layers, optimizer steps, losses); tests/test_gpu_recipes.py runs every GPU recipe so::
+
+    OMP_NUM_THREADS=1 python benchmarks/scale.py --shrink --devices 2 --steps 2 --warmup 1 --no-flops \\
+        --recipes specblock_qwen3_8b,specblock_llama31_8b,dflash_qwen3_8b_offline
+
 On a GPU (default: the 4B recipes of DFlash and TreeFlash, 40 steps, their rows of 3072 tokens; sized for a few
 minutes, most of them building, saving and loading the 8 GB target, but not yet timed on a GPU)::
 
@@ -144,9 +154,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def shape_of(recipe: str) -> str:
-    """The shape a recipe's name ends in (``treeflash_qwen3_4b`` → ``qwen3_4b``)."""
+    """The shape a recipe's name holds after its drafter (``treeflash_qwen3_4b`` → ``qwen3_4b``, also
+    ``dflash_qwen3_8b_offline`` → ``qwen3_8b``)."""
     for name in SHAPES:
-        if recipe == name or recipe.endswith(f"_{name}"):
+        if recipe == name or f"_{name}_" in f"{recipe}_":
             return name
     raise ValueError(f"recipe '{recipe}' names none of the shapes {', '.join(SHAPES)} (recipes/<drafter>_<shape>)")
 
@@ -256,6 +267,9 @@ class StepClock(Callback):
         self.flops: dict[str, float] = {}
         self.tokens = 0
         self.steps = 0
+        self.optimizer_steps = 0
+        self.losses: list[float] = []
+        self.run: dict[str, Any] = {}
         self._last_end: Any = None
         self._flop_mode: FlopCounterMode | None = None
         self._counting = ExitStack()
@@ -299,6 +313,17 @@ class StepClock(Callback):
         ]
         # An FSDP2 shard (DTensor) counts its whole parameter's elements.
         self.trainable = sum(p.numel() for p in pl_module.trainable_parameters())
+        # What ran, as the trainer set it up (after the callbacks' on_fit_start: gradient checkpointing is on).
+        self.run = {
+            "strategy": type(trainer.strategy).__name__,
+            "world_size": trainer.world_size,
+            "precision": str(trainer.precision),
+            "callbacks": [type(c).__name__ for c in trainer.callbacks],
+            "checkpointed_layers": sum(
+                bool(getattr(m, "gradient_checkpointing", False)) for m in pl_module.drafter.modules()
+            ),
+            "trainable_dtype": str(next(iter(pl_module.trainable_parameters())).dtype).removeprefix("torch."),
+        }
 
     def _enter(self, span: str) -> None:
         # The target's own forward calls its LM head: only calls on the drafter's states count as "LM head".
@@ -371,6 +396,10 @@ class StepClock(Callback):
             self._counting.close()
             self._flop_mode = None
         self.steps += 1
+        self.optimizer_steps = trainer.global_step
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self.losses.append(float(loss))
         timed = self.steps > self.warmup and not counted
         if timed:
             for k, v in {**times, "step": step}.items():
@@ -408,6 +437,9 @@ class StepClock(Callback):
             "warmup": self.warmup,
             "tokens_per_step": self.tokens,
             "trainable_parameters": self.trainable,
+            "optimizer_steps": self.optimizer_steps,
+            "losses": self.losses,
+            "run": self.run,
             "s_per_step": step,
             "tokens_per_s": self.tokens / step if step else None,
             "phases_s": {k: med[k] for k in self.PHASES if k in med},
@@ -434,6 +466,13 @@ def format_summary(label: str, s: dict[str, Any]) -> str:
         f"{s['tokens_per_s']:,.0f} tokens/s ({s['tokens_per_step']} tokens a step), "
         f"{_si(s['trainable_parameters'])} trainable parameters"
     ]
+    run = s.get("run")
+    if run:
+        lines.append(
+            f"  ran: {run['strategy']} on {run['world_size']} process(es), precision {run['precision']} (trainable "
+            f"{run['trainable_dtype']}), {s['optimizer_steps']} optimizer steps, {run['checkpointed_layers']} "
+            f"checkpointed drafter layers, callbacks {', '.join(run['callbacks'])}"
+        )
     phases = s["phases_s"]
     largest = max(phases, key=phases.get)
     lines.append(
@@ -463,12 +502,85 @@ def _si(value: float) -> str:
 
 
 # ---- the driver ----------------------------------------------------------------------------------------------
-def fit_command(recipe: str, args: argparse.Namespace, work: Path, target: Path, backbone: Path | None) -> list[str]:
-    """``trainer fit`` of a copy of ``recipe`` with :class:`StepClock` among its callbacks, and the overrides."""
+def cpu_strategy(strategy: Any) -> tuple[Any, str] | None:
+    """The strategy a CPU run takes for a recipe's ``strategy`` that cannot run there, and why; None if it can.
+
+    Lightning's DeepSpeed strategy needs CUDA, so ``trainer.strategies.ZeroStrategy`` runs as its counterpart:
+    ZeRO stages 1 and 2 keep every parameter on every rank and run DDP's forward and backward (they shard only the
+    optimizer state and the gradients, which changes memory, not the step), so ``ddp``; stage 3 also shards the
+    parameters, so FSDP2 (``trainer.strategies.FSDP2Strategy``). DDP and FSDP2 run on the CPU over gloo.
+    """
+    if not isinstance(strategy, dict) or strategy.get("class_path") != "trainer.strategies.ZeroStrategy":
+        return None
+    stage = int((strategy.get("init_args") or {}).get("stage", 2))
+    if stage == 3:
+        return {"class_path": "trainer.strategies.FSDP2Strategy"}, "DeepSpeed ZeRO-3 needs CUDA: FSDP2 on the CPU"
+    return "ddp", f"DeepSpeed ZeRO-{stage} needs CUDA: DDP on the CPU (ZeRO-{stage} runs DDP's forward and backward)"
+
+
+def spec_options(args: argparse.Namespace, target: Path) -> dict[str, str]:
+    """The data spec keys every run sets (``data.spec.KEY``), the same in a feature cache built for it: the run's
+    text data, rows of ``--max-length`` and the target directory's (tiny) tokenizer, which a recipe naming a hub
+    tokenizer (``Qwen/Qwen3-8B``) would otherwise compare with the target's."""
+    options = {"paths": f"[{args.data}]", "format": "text", "tokenizer": str(target)}
+    if args.max_length:
+        options["max_length"] = str(args.max_length)
+    for item in args.override:
+        key, _, value = item.removeprefix("--").partition("=")
+        if key.startswith("data.spec."):
+            options[key.removeprefix("data.spec.")] = value
+    return options
+
+
+def build_cache(config: dict[str, Any], args: argparse.Namespace, target: Path, out: Path) -> Path:
+    """A feature cache for an offline recipe (``data.features: offline``), made by ``trainer data cache`` from the
+    run's data spec (the recipe's, with :func:`spec_options`), with the target layers its drafter reads, its top-k
+    and its target dtype; resumed (so reused) by a later run of the same arguments."""
+    import importlib
+    import inspect
+
+    model = config["model"]
+    init = dict(model.get("init_args") or {})
+    module, _, name = model["class_path"].rpartition(".")
+    signature = inspect.signature(getattr(importlib.import_module(module), name))
+    layers = init.get("target_layer_ids")
+    if not layers:
+        if name != "DFlashTraining":
+            raise ValueError(f"{name} reads target layers scale.py does not know: give model.target_layer_ids")
+        from trainer.drafters.dflash import default_target_layer_ids
+
+        num_layers = init.get("num_layers", signature.parameters["num_layers"].default)
+        layers = default_target_layer_ids(AutoConfig.from_pretrained(target).num_hidden_layers, num_layers)
+    spec = {**(config["data"].get("init_args") or {}).get("spec", {}), **spec_options(args, target)}
+    command = [sys.executable, "-m", "trainer", "data", "cache", "--target", str(target), "--out", str(out)]
+    command += ["--layers", json.dumps(list(layers)), "--dtype", init.get("target_dtype", "float32")]
+    if init.get("topk"):
+        command += ["--topk", str(init["topk"])]
+    for key, value in spec.items():
+        command += [f"--spec.{key}", value if isinstance(value, str) else json.dumps(value)]
+    print(f"feature cache: {' '.join(command[1:])}", flush=True)
+    subprocess.run(command, check=True, timeout=args.timeout)
+    return out
+
+
+def fit_command(
+    recipe: str,
+    args: argparse.Namespace,
+    work: Path,
+    target: Path,
+    backbone: Path | None,
+    cache: Path | None = None,
+) -> list[str]:
+    """``trainer fit`` of a copy of ``recipe`` with :class:`StepClock` among its callbacks, and the overrides
+    (on the CPU, a strategy that needs CUDA replaced by :func:`cpu_strategy`'s)."""
     from trainer.recipes import load_recipe, resolve_recipe
 
     config = load_recipe(resolve_recipe(recipe))
     trainer = config.setdefault("trainer", {})
+    substitute = cpu_strategy(trainer.get("strategy")) if args.shrink else None
+    if substitute is not None:
+        trainer["strategy"], why = substitute
+        print(f"[{recipe}] {why}", flush=True)
     callbacks = trainer.get("callbacks") or []
     clock = {
         "label": recipe,
@@ -483,7 +595,7 @@ def fit_command(recipe: str, args: argparse.Namespace, work: Path, target: Path,
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     options = {
         "model.target": str(target),
-        "trainer.devices": "1",
+        "trainer.devices": str(getattr(args, "devices", 1)),
         "trainer.max_steps": str(args.steps),
         # One short validation pass at the last step: the per-depth table and the export still run.
         "trainer.val_check_interval": str(args.steps),
@@ -491,13 +603,12 @@ def fit_command(recipe: str, args: argparse.Namespace, work: Path, target: Path,
         "trainer.num_sanity_val_steps": "0",
         "trainer.enable_progress_bar": "false",
         "trainer.default_root_dir": str(work),
-        "data.spec.paths": f"[{args.data}]",
-        "data.spec.format": "text",
+        **{f"data.spec.{key}": value for key, value in spec_options(args, target).items()},
     }
     if backbone is not None:
         options["model.backbone"] = str(backbone)
-    if args.max_length:
-        options["data.spec.max_length"] = str(args.max_length)
+    if cache is not None:
+        options["data.cache_dir"] = str(cache)
     if args.attention:
         options["model.attention"] = args.attention
     if args.shrink:
@@ -516,7 +627,7 @@ def fit_command(recipe: str, args: argparse.Namespace, work: Path, target: Path,
 
 def run_recipe(recipe: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Build what ``recipe`` needs, run its fit in a subprocess, and return its summary (raises on failure)."""
-    from trainer.recipes import resolve_recipe
+    from trainer.recipes import load_recipe, resolve_recipe
 
     resolve_recipe(recipe)  # an unknown recipe fails before any model is built
     name = Path(recipe).name  # a recipe given by path: recipes/<drafter>_<shape>[.yaml]
@@ -527,10 +638,14 @@ def run_recipe(recipe: str, args: argparse.Namespace, device: torch.device) -> d
     if name.startswith("treeflash"):
         out = args.work / "backbones" / f"dflash_{shape}{suffix}"
         backbone = build_backbone(shape, target, out, device, args.backbone_layers)
+    cache = None
+    config = load_recipe(resolve_recipe(recipe))
+    if (config.get("data", {}).get("init_args") or {}).get("features") == "offline":
+        cache = build_cache(config, args, target, args.work / "caches" / name.removesuffix(".yaml"))
     work = args.work / "runs" / name
     report = work / "report.json"
     report.unlink(missing_ok=True)
-    command = fit_command(recipe, args, work, target, backbone)
+    command = fit_command(recipe, args, work, target, backbone, cache)
     print(f"[{recipe}] {' '.join(command[1:])}", flush=True)
     env = dict(os.environ)
     # The callback's module (this file, as `scale`) comes last, so the scripts beside it shadow nothing.
@@ -595,6 +710,8 @@ def main() -> None:
     p.add_argument("--flops", action=argparse.BooleanOptionalAction, default=True, help=flops)
     p.add_argument("--timeout", type=float, default=None, help="seconds a recipe's fit may take")
     p.add_argument("--shrink", action="store_true", help="a tiny shape of each architecture, on the CPU")
+    devices = "processes (GPUs; with --shrink, CPU processes over gloo) each recipe's fit runs its strategy on"
+    p.add_argument("--devices", type=int, default=1, help=devices)
     p.add_argument("--smoke", action="store_true", help="--shrink with 3 steps of short rows: checks the script runs")
     args = p.parse_args()
     if args.smoke:

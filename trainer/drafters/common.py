@@ -18,7 +18,6 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 from transformers import PretrainedConfig, Qwen3Config
 from transformers.cache_utils import Cache
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, rotate_half
 
 from trainer.drafters.attention import attend
@@ -173,17 +172,13 @@ class QKNormAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        context: torch.Tensor | None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | BlockMask | None = None,
-        cache: Cache | None = None,
-    ) -> torch.Tensor:
-        """Shape: hidden_states (B, Q, H), context (B, C, H) or None (C = 0), cos/sin (B, C + Q, D), attention_mask
-        additive (B, 1, Q, P + C + Q) with P the cached positions, a flex block mask of that shape, or None (every
-        key) → (B, Q, H)."""
+    def project(
+        self, hidden_states: torch.Tensor, context: torch.Tensor | None, position_embeddings: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rotated queries of the Q positions and keys and values of the C + Q positions.
+
+        Shape: hidden_states (B, Q, H), context (B, C, H) or None (C = 0), cos/sin (B, C + Q, D) → query
+        (B, heads, Q, D), key and value (B, kv_heads, C + Q, D)."""
         batch, q_len, _ = hidden_states.shape
         # Shape: (B, C + Q, H)
         kv_input = hidden_states if context is None else torch.cat([context, hidden_states], dim=1)
@@ -196,20 +191,73 @@ class QKNormAttention(nn.Module):
         cos, sin = position_embeddings
         query = apply_rotary(query.transpose(1, 2), cos[:, -q_len:], sin[:, -q_len:])
         key = apply_rotary(key.transpose(1, 2), cos, sin)
-        if cache is not None:
-            # Shape: (B, kv_heads, P + C + Q, D): rotated keys are cached, so a key keeps its position for good.
-            key, value = cache.update(key, value, self.layer_idx)
+        return query, key, value
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | BlockMask | None = None,
+    ) -> torch.Tensor:
+        """Attention of the queries over every key, through ``o_proj``. Shape: query (B, heads, Q, D), key and
+        value (B, kv_heads, P + C + Q, D) → (B, Q, H)."""
+        batch, _, q_len, _ = query.shape
         out = attend(query, key, value, attention_mask, self.scaling, self.attention_dropout if self.training else 0.0)
         # Shape: (B, Q, heads * D) -> (B, Q, H)
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
 
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | BlockMask | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        """Shape: hidden_states (B, Q, H), context (B, C, H) or None (C = 0), cos/sin (B, C + Q, D), attention_mask
+        additive (B, 1, Q, P + C + Q) with P the cached positions, a flex block mask of that shape, or None (every
+        key) → (B, Q, H)."""
+        query, key, value = self.project(hidden_states, context, position_embeddings)
+        if cache is not None:
+            # Shape: (B, kv_heads, P + C + Q, D): rotated keys are cached, so a key keeps its position for good.
+            key, value = cache.update(key, value, self.layer_idx)
+        return self.attend(query, key, value, attention_mask)
 
-class DrafterDecoderLayer(GradientCheckpointingLayer):
+
+def cached_keys(cache: Cache | None, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The keys and values ``cache`` holds for layer ``layer_idx`` (None: none yet), for a caller that attends to
+    them followed by new ones and writes only the new ones (``cache.update``) itself. A sliding-window layer, whose
+    ``update`` would return other keys than these followed by the new ones, is refused."""
+    if cache is None or layer_idx >= len(cache.layers):
+        return None
+    layer = cache.layers[layer_idx]
+    if getattr(layer, "is_sliding", False):
+        raise ValueError(
+            f"layer {layer_idx} of the cache is a sliding-window {type(layer).__name__}; a checkpointed drafter layer "
+            "needs a full-attention cache (a drafter's cache_config)"
+        )
+    if not layer.is_initialized or layer.get_seq_length() == 0:
+        return None
+    return layer.keys, layer.values
+
+
+class DrafterDecoderLayer(nn.Module):
     """A pre-norm Qwen3 decoder layer over a drafter's query positions; its attention may also read a context.
 
     ``shift``, when given, maps the layer's input first (SpecBlock's layer shift, which mixes the slots of a
     block); it is registered before the other submodules, the order of the checkpoints and of initialisation.
+
+    Gradient checkpointing: HF's ``gradient_checkpointing_enable`` sets ``gradient_checkpointing`` and
+    ``_gradient_checkpointing_func`` here as on its own ``GradientCheckpointingLayer`` s, and a training forward
+    with gradients then keeps only the layer's inputs and recomputes the rest in the backward. Unlike HF's layer,
+    which replays the whole ``forward`` (a cache passed in would be written again by the replay, after everything
+    written since: SpecBlock's unroll then met more keys in the backward than in the forward) or drops the cache,
+    the replayed part here reads the cached keys as they were before the layer ran, as a tensor, and returns the
+    new keys; they are written to the cache once, outside it. The layer's forward hooks (FSDP2's) stay outside too.
     """
+
+    gradient_checkpointing = False
 
     def __init__(self, config: Qwen3Config, layer_idx: int, shift: nn.Module | None = None) -> None:
         super().__init__()
@@ -230,10 +278,55 @@ class DrafterDecoderLayer(GradientCheckpointingLayer):
         """Shape: hidden_states (B, ..., H) whose middle axes are the Q query positions in order (DFlash (B, Q, H),
         SpecBlock (B, N, K, H)) → the same shape; the other inputs as :meth:`QKNormAttention.forward` takes them.
         Only the queries take the residual path and the norms: a context was normalised by the caller."""
+        if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
+            return self._layer(hidden_states, position_embeddings, attention_mask, context, cache=cache)[0]
+        past = cached_keys(cache, self.self_attn.layer_idx)
+        # Tensors that may need gradients go positionally (a reentrant checkpoint passes gradients only to those).
+        cos, sin = position_embeddings
+        hidden_states, key, value = self._gradient_checkpointing_func(
+            self._replayed, hidden_states, cos, sin, attention_mask, context, *(past or (None, None))
+        )
+        if cache is not None:
+            cache.update(key, value, self.self_attn.layer_idx)
+        return hidden_states
+
+    def _replayed(
+        self,
+        hidden_states: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention_mask: torch.Tensor | BlockMask | None,
+        context: torch.Tensor | None,
+        past_keys: torch.Tensor | None,
+        past_values: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The checkpointed part: no side effect, the cached keys given as tensors."""
+        past = None if past_keys is None else (past_keys, past_values)
+        return self._layer(hidden_states, (cos, sin), attention_mask, context, past=past)
+
+    def _layer(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | BlockMask | None,
+        context: torch.Tensor | None,
+        cache: Cache | None = None,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer over the cached keys of ``cache`` (written here) or ``past`` (not written); returns the output
+        and this call's new keys and values. Shape: (B, ..., H) → same, (B, kv_heads, C + Q, D) twice."""
         if self.shift is not None:
             hidden_states = self.shift(hidden_states)
         # Shape: (B, Q, H)
         flat = hidden_states.flatten(1, -2)
-        flat = flat + self.self_attn(self.input_layernorm(flat), context, position_embeddings, attention_mask, cache)
+        attn = self.self_attn
+        query, new_keys, new_values = attn.project(self.input_layernorm(flat), context, position_embeddings)
+        key, value = new_keys, new_values
+        if cache is not None:
+            # Shape: (B, kv_heads, P + C + Q, D): rotated keys are cached, so a key keeps its position for good.
+            key, value = cache.update(key, value, attn.layer_idx)
+        elif past is not None:
+            key, value = torch.cat([past[0], key], dim=-2), torch.cat([past[1], value], dim=-2)
+        flat = flat + attn.attend(query, key, value, attention_mask)
         flat = flat + self.mlp(self.post_attention_layernorm(flat))
-        return flat.view(hidden_states.shape)
+        return flat.view(hidden_states.shape), new_keys, new_values

@@ -306,9 +306,10 @@ class FrozenTargetTraining(L.LightningModule):
         """Write the drafter as an HF directory (``export_dir`` or ``<run>/hf``) on rank 0; every rank must call it,
         since sharded weights are gathered first (a collective). Returns the directory on rank 0."""
         state = full_state_dict(self.drafter)
+        # Every rank asks: under DDP and FSDP2 the trainer's log_dir is rank 0's, broadcast (a collective too).
+        out = Path(self.export_dir or Path(self.trainer.log_dir or ".") / "hf")
         if not self.trainer.is_global_zero:
             return None
-        out = Path(self.export_dir or Path(self.trainer.log_dir or ".") / "hf")
         write_dir_atomic(out, lambda tmp: self.drafter.save_pretrained(tmp, state_dict=state))
         return out
 
