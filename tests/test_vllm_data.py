@@ -303,7 +303,8 @@ def test_sigkill_resumes_without_duplicate_or_loss(chats: Path, tmp_path: Path) 
         proc.kill()
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    assert 1 <= out.read_bytes().count(b"\n") < len(CHATS), "the kill should land mid-run"
+    written = out.read_bytes().count(b"\n")
+    assert 0 < written < len(CHATS), "the kill should land mid-run"
     regenerate(str(TINY_TARGET), [str(chats)], str(out), max_new_tokens=MAX_NEW, temperature=TEMPERATURE, top_p=TOP_P,
                seed=7, batch_size=3, engine="vllm")  # fmt: skip
     whole = tmp_path / "whole.jsonl"

@@ -20,13 +20,9 @@ earlier turns already regenerated*; user, system and tool turns are kept as they
   end-of-text token or after ``max_new_tokens``. Each output line is ``{"id", "source", "text"}`` (prompt and
   continuation, decoded), ``id`` being ``file@offset``; training reads it as text (``format: text``), tokenized
   again (a few tokens may merge differently from the ones the target wrote).
-- ``--engine vllm`` writes with vLLM's offline engine (:mod:`trainer.data.vllm_engine`) instead of transformers'
-  ``generate``: the same prompts, stop rule, ids, per-turn seeds, output and resume. Greedy fp32 replies equal the
-  HF engine's token for token on the tiny target; sampled ones come from vLLM's per-request generators seeded by
-  the same (``seed``, id, turn), so a seed reproduces them whatever the batch or a resume, though they are other
-  draws than the HF engine's (the same distribution: ``tests/test_vllm_data.py`` compares the two). Where vLLM is
-  not importable, the job runs in the python of vLLM's environment (``--vllm_python`` or ``$TRAINER_VLLM_PYTHON``).
-  ``benchmarks/data_engines.py`` (in vLLM's environment) prints both engines' tokens/s and their ratio.
+- ``--engine vllm`` writes with vLLM's offline engine (:mod:`trainer.data.vllm_engine`): the same prompts, stop
+  rule, ids, per-turn seeds, output and resume; greedy fp32 replies equal the HF engine's token for token, sampled
+  ones are vLLM's own draws of the same distribution (docs/data.md, "A real run", has the measured comparison).
 - The output is JSON Lines, one ``{"id", "source", "messages"}`` per input conversation in input order; ``id``
   is the input's ``file:line`` (or ``file#row``). Lines are appended and flushed as each batch finishes, so a
   run killed at any moment is resumed by running the same command again: a torn last line is cut off and
@@ -44,10 +40,6 @@ or, continuing stdlib text at the temperature of the evaluation::
         --output data/regenerated/stdlib_tiny.jsonl --prompt_tokens 64 --max_new_tokens 192 --limit 1500 \\
         --temperature 0.7 --batch_size 32
 
-and with vLLM's engine, from the main environment (``.ci/vllm_env .venv-vllm`` makes vLLM's)::
-
-    TRAINER_VLLM_PYTHON=.venv-vllm/bin/python OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 trainer data regenerate \\
-        --engine vllm --target checkpoints/target_tiny --data chats.jsonl --output regen.jsonl --max_new_tokens 64
 """
 
 from __future__ import annotations
@@ -368,6 +360,22 @@ def _continue_batch(
     return texts, sum(not stopped for _, stopped in replies)
 
 
+def _pending(rows: Sequence[dict[str, Any]], resume: ResumeState) -> tuple[set[str], list[dict[str, Any]], int]:
+    """The ids of ``rows``, the rows still to write (not in the output yet), and how many rows repeated an id (the
+    same file named twice, directly and through its directory, must not be generated twice)."""
+    seen: set[str] = set()
+    pending: list[dict[str, Any]] = []
+    repeated = 0
+    for row in rows:
+        if row["id"] in seen:
+            repeated += 1
+            continue
+        seen.add(row["id"])
+        if row["id"] not in resume.done:
+            pending.append(row)
+    return seen, pending, repeated
+
+
 def _check_args(temperature: float, top_p: float, max_new_tokens: int, batch_size: int) -> None:
     if temperature < 0:
         raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
@@ -386,6 +394,54 @@ def _check_output_not_input(output: Path, data: Sequence[str]) -> None:
         path = entry.resolve()
         if out == path or (path.is_dir() and path in out.parents and out.suffix in {".json", ".jsonl", ".parquet"}):
             raise UserError(f"output {output} is inside the input data {entry}; write it somewhere else")
+
+
+def _write(
+    pending: list[dict[str, Any]],
+    out_path: Path,
+    resumed: int,
+    console: Console,
+    engine: str,
+    target: str,
+    dtype: str,
+    torch_dtype: torch.dtype,
+    torch_device: torch.device,
+    format: str,
+    settings: WriteSettings,
+    template_kwargs: dict[str, Any],
+    batch_size: int,
+) -> tuple[int, int]:
+    """Generate the pending rows batch by batch, appending and flushing each batch's lines (the resume unit);
+    returns how many rows were written and how many replies reached ``max_new_tokens``."""
+    generated = capped = 0
+    format_key = "text" if format == "text" else "messages"
+    if engine == "vllm":
+        tokenizer, writer = load_tokenizer(target), vllm_engine(target, dtype)
+    else:
+        model, tokenizer = load_target(target, torch_dtype, torch_device)
+        writer = hf_engine(model)
+    stops = text_stops(tokenizer) if format == "text" else stop_tokens(tokenizer)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn())  # fmt: skip
+    description = f"regenerating (resumed {resumed})" if resumed else "regenerating"
+    with out_path.open("a", encoding="utf-8") as f, Progress(*columns, console=console) as progress:
+        task = progress.add_task(description, total=resumed + len(pending), completed=resumed)
+        for start in range(0, len(pending), batch_size):
+            batch = pending[start : start + batch_size]
+            if format == "text":
+                outputs, batch_capped = _continue_batch(writer, tokenizer, stops, batch, settings)
+            else:
+                outputs, batch_capped = _regenerate_batch(writer, tokenizer, stops, batch, settings, template_kwargs)
+            for row, output in zip(batch, outputs, strict=True):
+                record = {"id": row["id"], "source": row["source"], format_key: output}
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                f.flush()
+            os.fsync(f.fileno())
+            generated += len(batch)
+            capped += batch_capped
+            progress.update(task, advance=len(batch))
+    return generated, capped
 
 
 def regenerate(
@@ -472,20 +528,8 @@ def regenerate(
     resume = read_resume_state(out_path)
     console = Console(stderr=True)
 
-    seen: set[str] = set()
-    pending: list[dict[str, Any]] = []
-    repeated = resumed = 0
-    for row in rows:
-        conversation_id = row["id"]
-        if conversation_id in seen:
-            # The same file named twice (directly and through its directory) must not be generated twice.
-            repeated += 1
-            continue
-        seen.add(conversation_id)
-        if conversation_id in resume.done:
-            resumed += 1
-        else:
-            pending.append(row)
+    seen, pending, repeated = _pending(rows, resume)
+    resumed = len(seen) - len(pending)
     foreign = len(resume.done - seen)
     if foreign:
         console.print(
@@ -494,45 +538,11 @@ def regenerate(
         )
 
     generated = capped = 0
-    format_key = "text" if format == "text" else "messages"
-    settings = WriteSettings(temperature, top_p, max_new_tokens, seed)
     if pending:
-        if engine == "vllm":
-            tokenizer, writer = load_tokenizer(target), vllm_engine(target, dtype)
-        else:
-            model, tokenizer = load_target(target, torch_dtype, torch_device)
-            writer = hf_engine(model)
-        stops = text_stops(tokenizer) if format == "text" else stop_tokens(tokenizer)
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        columns = (
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-        )
-        description = f"regenerating (resumed {resumed})" if resumed else "regenerating"
-        with (
-            out_path.open("a", encoding="utf-8") as f,
-            Progress(*columns, console=console) as progress,
-        ):
-            task = progress.add_task(description, total=resumed + len(pending), completed=resumed)
-            for start in range(0, len(pending), batch_size):
-                batch = pending[start : start + batch_size]
-                if format == "text":
-                    outputs, batch_capped = _continue_batch(writer, tokenizer, stops, batch, settings)
-                else:
-                    outputs, batch_capped = _regenerate_batch(
-                        writer, tokenizer, stops, batch, settings, dict(template_kwargs)
-                    )
-                for row, output in zip(batch, outputs, strict=True):
-                    record = {"id": row["id"], "source": row["source"], format_key: output}
-                    f.write(json.dumps(record, ensure_ascii=False) + "\n")
-                    f.flush()
-                os.fsync(f.fileno())
-                generated += len(batch)
-                capped += batch_capped
-                progress.update(task, advance=len(batch))
+        generated, capped = _write(
+            pending, out_path, resumed, console, engine, target, dtype, torch_dtype, torch_device, format,
+            WriteSettings(temperature, top_p, max_new_tokens, seed), dict(template_kwargs), batch_size,
+        )  # fmt: skip
 
     items, replies = ("text windows", "continuations") if format == "text" else ("conversations", "assistant turns")
     lines = [
