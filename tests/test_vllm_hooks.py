@@ -255,3 +255,26 @@ def test_a_non_finite_row_refuses_its_record_not_the_batch():
     top.rows(slice(0, 2))
     with pytest.raises(RecordError, match="non-finite"):
         top.rows(slice(2, 4))
+
+
+def test_cpu_logits_are_copied_and_reduced_later_within_a_bounded_number_of_copies():
+    """On the CPU the engine thread only copies the logits; the writer thread reduces them, unaffected by the
+    sampler changing the logits in place afterwards. A copy holds one of ``slots`` until its top-k object is gone;
+    without a free slot the reduction runs at once."""
+    import gc
+    import threading
+
+    slots = threading.BoundedSemaphore(1)
+    logits = torch.randn(3, V)
+    want = logits.log_softmax(-1).topk(K)
+    top = DeviceTop(logits, K, slots)
+    logits.div_(0.1)  # what a temperature does to vLLM's logits after the hook
+    assert not slots.acquire(blocking=False), "the copy should hold the one slot"
+    second = DeviceTop(logits, K, slots)  # no slot: reduced now, from the logits as they are
+    assert second._pending is None
+    rows = top.rows(slice(0, 3))
+    assert rows["topk_ids"].tolist() == want.indices.tolist()
+    assert np.allclose(rows["topk_logprobs"], want.values.numpy(), atol=1e-4)
+    del top
+    gc.collect()
+    assert slots.acquire(blocking=False), "the slot must come back once the copy's owner is gone"

@@ -58,6 +58,8 @@ DRAFTER_FREE = ("ngram", "ngram_gpu", "suffix")
 # The writer validates the first records and then one in this many (trainer.vlog.writer: the validator's Python
 # time on the writer thread holds the GIL vLLM's step needs); the tests validate every line the plugin writes.
 CHECK_EVERY = 16
+# CPU logits copies that may wait for the writer thread's reduction at once (records.DeviceTop).
+DEFERRED_COPIES = 8
 # After a failure to open the log (an unwritable directory) or a stopped writer thread, the next try waits this long.
 REOPEN_SECONDS = 5.0
 logger = logging.getLogger("trainer.integrations.vllm")
@@ -91,6 +93,7 @@ class Plugin:
         self.checked = False
         self.step_start = 0.0
         self._premask: DeviceTop | None = None
+        self.copies = threading.BoundedSemaphore(DEFERRED_COPIES)
 
     # ---- failing open --------------------------------------------------------------------------------------
     def failed(self, phase: str, error: Exception) -> None:
@@ -209,7 +212,7 @@ class Plugin:
         with self.guard("topk"):
             if self.config.log_dir is not None:
                 self.fired.add("grammar_bitmask")
-                self._premask = DeviceTop(logits, self.config.topk)
+                self._premask = DeviceTop(logits, self.config.topk, self.copies)
         return original(scheduler_output, grammar_output, input_batch, logits, *args, **kwargs)
 
     def sample(self, original: Callable, runner: Any, logits: torch.Tensor | None, metadata: Any) -> Any:
@@ -218,7 +221,7 @@ class Plugin:
         top = None
         with self.guard("topk"):
             verify_ms = 1000 * (time.perf_counter() - self.step_start)
-            top = self._premask if self._premask is not None else DeviceTop(logits, self.config.topk)
+            top = self._premask if self._premask is not None else DeviceTop(logits, self.config.topk, self.copies)
             self._premask = None
         output = original(runner, logits, metadata)
         if top is not None:
