@@ -1,13 +1,14 @@
 """What the vLLM plugin's verifier log costs vLLM, what one step's hook costs, and how long a drafter swap stalls.
 
 1. Overhead: vLLM (in process, fp32, greedy) serves the shipped tiny target with the EAGLE-3 export and decodes the
-   same held-out prompts as one batch. Each pair is two fresh processes, one with and one without
-   ``TRAINER_VLLM_LOG_DIR`` (the plugin patches vLLM's classes per process), alternating which goes first. Inside
-   each process ``generate`` runs once to warm up and then ``--reps`` times; greedy decoding takes the same steps
-   both ways (the steps per repetition are printed for both), so the pair's ratio is the logged process's median
-   repetition over the unlogged one's. A run prints every pair's ratio, their median and their spread; ``--runs``
-   repeats the whole measurement and prints how far the runs' medians lie apart (two medians within 2% of each
-   other: the measurement resolves about 2%). The log writer thread's CPU time (validation, JSON, I/O) is
+   same held-out prompts as one batch, ``--reps`` pairs of batches in one process with the plugin logging in one
+   batch of each pair and not in the other (its configuration swapped between batches; the first of a pair
+   alternates). Pairs of fresh processes measured a process-to-process spread of ±20% on this machine, which
+   hides any logging cost; alternating inside one process shares the process's memory layout and neighbours.
+   Greedy decoding takes the same steps both ways (checked), so a pair's ratio is its logged batch's wall time
+   over its unlogged one's. A run prints the median ratio and the spread; ``--runs`` repeats the whole
+   measurement in fresh processes and prints how far the runs' medians lie apart (within 2% of each other: the
+   measurement resolves about 2%). The log writer thread's CPU time (the CPU top-k, validation, JSON, I/O) is
    counted beside it, as a share of the unlogged wall time: the cost when no core is spare.
 2. Hook cost per step, inside the logged processes: the plugin's work on vLLM's engine thread (``DeviceTop``, the
    top-k reduction on the logits' device, and ``Plugin.log_steps``, the step records) timed against the whole step
@@ -28,7 +29,7 @@
 
 Run in vLLM's environment (``.ci/vllm_env``) on an idle machine::
 
-    OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_plugin.py --runs 2 --pairs 4 --reps 6 [--big-head]
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_plugin.py --runs 2 --reps 30 [--big-head]
     OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_plugin.py --smoke
 """
 
@@ -88,22 +89,32 @@ if logged:
     timed(hooks.Plugin, "log_steps", "log")
 result = {}
 if cfg["reps"]:
+    # Logging on and off alternate inside this one process (the plugin's configuration swapped between batches:
+    # off, its hooks hand vLLM's calls straight through), so both sides share the process's memory layout, caches
+    # and neighbours; the first of each pair alternates.
+    import dataclasses
+    on, off = plugin.config, dataclasses.replace(plugin.config, log_dir=None)
     params = SamplingParams(max_tokens=cfg["max_tokens"], temperature=0, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
-    clock.update(step=0.0, steps=0, top=0.0, tops=0, log=0.0)
-    writer = plugin.writer if logged else None
-    cpu = writer.cpu_seconds() if writer is not None else 0.0
-    seconds, tokens = [], set()
-    for _ in range(cfg["reps"]):
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds.append(time.perf_counter() - start)
-        tokens.add(tuple(tuple(o.outputs[0].token_ids) for o in outputs))
-    result.update(seconds=seconds, same_tokens=len(tokens) == 1, tokens=hash(tokens.pop()), **clock)
-    if writer is not None and writer is plugin.writer:
-        result["writer_cpu"] = writer.cpu_seconds() - cpu
-    if logged:
-        result["plugin_errors"] = dict(plugin.errors)
+    writer = plugin.writer
+    seconds, tokens, clocks, cpu = {"on": [], "off": []}, set(), {}, 0.0
+    for pair in range(cfg["reps"]):
+        for mode in (("on", "off") if pair % 2 else ("off", "on")):
+            plugin.config = on if mode == "on" else off
+            clock.update(step=0.0, steps=0, top=0.0, tops=0, log=0.0)
+            before = writer.cpu_seconds()
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            seconds[mode].append(time.perf_counter() - start)
+            if mode == "on":
+                cpu += writer.cpu_seconds() - before
+            tokens.add(tuple(tuple(o.outputs[0].token_ids) for o in outputs))
+            for key, value in clock.items():
+                clocks.setdefault(mode, {}).setdefault(key, 0.0)
+                clocks[mode][key] += value
+    plugin.config = on
+    result.update(seconds=seconds, same_tokens=len(tokens) == 1, clocks=clocks, writer_cpu=cpu,
+                  plugin_errors=dict(plugin.errors))
 else:
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # warm-up
 if cfg["swaps"]:
@@ -167,37 +178,26 @@ def spread(values: list[float]) -> str:
 
 
 def overhead_run(run: int, export: Path, tmp: Path, args: argparse.Namespace) -> float:
-    """One measurement: ``--pairs`` pairs of processes; prints each pair and the hook cost; returns the median."""
+    """One measurement in a fresh process: ``--reps`` pairs of batches, logging on and off alternating; prints the
+    pairs, the hook cost per step and the writer thread's share; returns the median pair ratio."""
     cfg = dict(target=args.target, export=str(export), dtype="float32", limit=args.limit, max_tokens=args.max_tokens,
                reps=args.reps, swaps=0)  # fmt: skip
-    ratios, hooks = [], []
-    for pair in range(args.pairs):
-        logs = tmp / f"logs{run}-{pair}"
-        logged_first = (run * args.pairs + pair) % 2 == 1
-        if logged_first:
-            logged, plain = child(cfg, logs), child(cfg)
-        else:
-            plain, logged = child(cfg), child(cfg, logs)
-        p, q = statistics.median(plain["seconds"]), statistics.median(logged["seconds"])
-        ratio = q / p
-        ratios.append(ratio)
-        steps_p, steps_q = plain["steps"] / args.reps, logged["steps"] / args.reps
-        # Greedy: every repetition of both processes decodes the same tokens in the same steps.
-        same = steps_p == steps_q and plain["tokens"] == logged["tokens"] and plain["same_tokens"]
-        same = same and logged["same_tokens"]
-        writer = logged.get("writer_cpu", float("nan")) / sum(plain["seconds"])
-        errors = f"; plugin errors {logged['plugin_errors']}" if logged.get("plugin_errors") else ""
-        print(f"run {run} pair {pair} ({'logged' if logged_first else 'unlogged'} first): unlogged "
-              f"{p:.3f} s (reps {spread(plain['seconds'])}), logged {q:.3f} s (reps {spread(logged['seconds'])}), "
-              f"ratio {ratio:.3f}; steps/rep {steps_p:g} vs {steps_q:g} ({'same' if same else 'DIFFERENT'} tokens); "
-              f"log writer thread CPU {writer:.3f} of the unlogged wall time{errors}", flush=True)  # fmt: skip
-        steps = logged["steps"]
-        hooks.append((1000 * logged["top"] / steps, 1000 * logged["log"] / steps, 1000 * logged["step"] / steps,
-                      1000 * plain["step"] / plain["steps"]))  # fmt: skip
+    result = child(cfg, tmp / f"logs{run}")
+    on, off = result["seconds"]["on"], result["seconds"]["off"]
+    ratios = [a / b for a, b in zip(on, off, strict=True)]
     median = statistics.median(ratios)
-    print(f"run {run}: logging overhead: median ratio {median:.3f} over {len(ratios)} pairs of {args.reps} reps "
+    clocks = result["clocks"]
+    same = "same" if result["same_tokens"] else "DIFFERENT"
+    errors = f"; plugin errors {result['plugin_errors']}" if result["plugin_errors"] else ""
+    print(f"run {run}: batches logged {statistics.median(on):.3f} s (range {spread(on)}), unlogged "
+          f"{statistics.median(off):.3f} s (range {spread(off)}); {clocks['on']['steps'] / len(on):g} steps a batch, "
+          f"{same} tokens every batch; log writer thread CPU {result['writer_cpu'] / sum(off):.3f} of the unlogged "
+          f"wall time{errors}", flush=True)  # fmt: skip
+    print(f"run {run}: logging overhead: median ratio {median:.3f} over {len(ratios)} alternating pairs "
           f"(pairs {spread(ratios)})", flush=True)  # fmt: skip
-    top, log, step, plain_step = (statistics.median(h[i] for h in hooks) for i in range(4))
+    steps = clocks["on"]["steps"]
+    top, log = 1000 * clocks["on"]["top"] / steps, 1000 * clocks["on"]["log"] / steps
+    step, plain_step = 1000 * clocks["on"]["step"] / steps, 1000 * clocks["off"]["step"] / clocks["off"]["steps"]
     print(f"run {run}: hook cost per step: DeviceTop {top:.3f} ms + log_steps {log:.3f} ms = {top + log:.3f} ms of a "
           f"{step:.2f} ms logged step (hook/step {(top + log) / step:.3f}); unlogged step {plain_step:.2f} ms, "
           f"logged/unlogged step {step / plain_step:.3f}", flush=True)  # fmt: skip
@@ -235,10 +235,11 @@ def synthetic(reps: int) -> None:
         argmax = median_ms(lambda: logits.argmax(-1), reps)
     old = copy + reduce
     print(f"synthetic V={SYNTHETIC_VOCAB}, {SYNTHETIC_ROWS} rows, k={k}, fp32 on CPU ({torch.get_num_threads()} "
-          f"threads, median of {reps}): DeviceTop {new:.1f} ms (top-k {top:.1f} + log-sum-exp {lse:.1f}) | old: "
-          f"host copy {copy:.1f} ms (engine thread) + log_softmax/top-k {reduce:.1f} ms (writer thread) = "
-          f"{old:.1f} ms | argmax {argmax:.1f} ms; "
-          f"new/old {new / old:.3f}, new/old copy {new / copy:.3f}, new/argmax {new / argmax:.3f}",
+          f"threads, median of {reps}): the reduction where the logits are (DeviceTop's work on a GPU, and on a CPU "
+          f"without a free copy slot) {new:.1f} ms (top-k {top:.1f} + log-sum-exp {lse:.1f}) | a full copy {copy:.1f} "
+          f"ms (what a CPU's engine thread pays; a GPU's old device-to-host transfer) + log_softmax/top-k "
+          f"{reduce:.1f} ms (the old writer-thread work) = {old:.1f} ms | argmax {argmax:.1f} ms; "
+          f"reduction/old {new / old:.3f}, reduction/copy {new / copy:.3f}, reduction/argmax {new / argmax:.3f}",
           flush=True)  # fmt: skip
 
 
@@ -295,8 +296,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=str(ROOT / "checkpoints/target_tiny"))
     parser.add_argument("--runs", type=int, default=2, help="repeat the overhead measurement; medians compared")
-    parser.add_argument("--pairs", type=int, default=4, help="pairs of processes per run")
-    parser.add_argument("--reps", type=int, default=6, help="timed batch generates per process, after a warm-up")
+    parser.add_argument("--reps", type=int, default=30, help="pairs of batches (logged, unlogged) per run")
     parser.add_argument("--limit", type=int, default=8, help="prompts in the batch")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--swaps", type=int, default=5)
@@ -304,10 +304,10 @@ def main() -> None:
     parser.add_argument("--big-head", action="store_true", help="also the swap of an EAGLE-3-8B-shaped head")
     parser.add_argument("--big-swaps", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="of the big head case")
-    parser.add_argument("--smoke", action="store_true", help="1 run, 1 pair of 2 reps, 2 prompts x 8 tokens, 1 swap")
+    parser.add_argument("--smoke", action="store_true", help="1 run of 2 pairs, 2 prompts x 8 tokens, 1 swap")
     args = parser.parse_args()
     if args.smoke:
-        args.runs, args.pairs, args.reps, args.limit, args.max_tokens = 1, 1, 2, 2, 8
+        args.runs, args.reps, args.limit, args.max_tokens = 1, 2, 2, 8
         args.swaps, args.synthetic_reps, args.big_head = 1, 2, False
     from trainer.export import export
 
