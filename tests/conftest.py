@@ -172,3 +172,13 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     stat = ((obs - exp) ** 2 / exp).sum()
     dof = obs.numel() - 1
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.double), stat / 2))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a test module: tiny matmuls are dominated by thread hand-offs, and with the cores shared
+    they get several times slower. Modules take it with ``pytest.mark.usefixtures("one_torch_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -53,18 +53,12 @@ CONVERSATIONS = [
 ]
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 def run(model_dir: Path, data: Path, out: Path, **kw) -> bytes:
     regenerate(str(model_dir), [str(data)], str(out), max_new_tokens=MAX_NEW, **kw)
     return out.read_bytes()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls are dominated by thread hand-offs; with the cores shared they get several times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

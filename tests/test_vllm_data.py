@@ -48,7 +48,7 @@ from trainer.target import Target
 from trainer.tiny.corpus import list_modules
 from trainer.training.datamodule import DraftData
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
 
 MAX_NEW = 32
 TEMPERATURE, TOP_P = 0.7, 0.95
@@ -98,14 +98,6 @@ def vllm_settings():
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
