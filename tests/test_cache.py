@@ -147,9 +147,10 @@ def test_draft_vocab_mapping():
 def test_vllm_engine_hands_the_job_to_vllms_python(model_dir, spec, tmp_path, monkeypatch):
     """Without vLLM here, ``--engine vllm`` runs the whole job in vLLM's environment: the arguments cross as JSON (the
     spec as a dict) and come back a DataSpec there (tests/test_vllm_data.py runs the engine itself)."""
+    import trainer.data.vllm_engine as vllm_engine
     import trainer.data.vllm_main as vllm_main
 
-    monkeypatch.setattr(cache_mod, "vllm_importable", lambda: False)
+    monkeypatch.setattr(vllm_engine, "vllm_importable", lambda: False)
     monkeypatch.delenv("TRAINER_VLLM_PYTHON", raising=False)
     with pytest.raises(UserError, match="TRAINER_VLLM_PYTHON"):
         run_cache(model_dir, spec, tmp_path / "c", engine="vllm")

@@ -328,9 +328,9 @@ def test_engine_choice_is_on_the_command_line(capsys) -> None:
 
 
 def test_vllm_engine_without_vllm_says_how(model_dir: Path, chats: Path, tmp_path: Path, monkeypatch) -> None:
-    import trainer.data.regenerate as r
+    import trainer.data.vllm_engine as engines
 
-    monkeypatch.setattr(r, "vllm_importable", lambda: False)
+    monkeypatch.setattr(engines, "vllm_importable", lambda: False)
     monkeypatch.delenv("TRAINER_VLLM_PYTHON", raising=False)
     out = tmp_path / "out.jsonl"
     with pytest.raises(UserError, match=r"TRAINER_VLLM_PYTHON.*\.ci/vllm_env"):
@@ -363,9 +363,9 @@ def stand_in(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_vllm_engine_runs_the_job_in_vllm_python(model_dir: Path, chats: Path, tmp_path: Path, monkeypatch) -> None:
-    import trainer.data.regenerate as r
+    import trainer.data.vllm_engine as engines
 
-    monkeypatch.setattr(r, "vllm_importable", lambda: False)
+    monkeypatch.setattr(engines, "vllm_importable", lambda: False)
     python, record = stand_in(tmp_path)
     monkeypatch.setenv("TRAINER_VLLM_PYTHON", str(python))
     out = tmp_path / "out.jsonl"
@@ -426,10 +426,11 @@ def _state(pid: int) -> str:
 
 def test_a_prompt_longer_than_the_engine_context_is_named(model_dir: Path, chats: Path, tmp_path: Path, monkeypatch):
     import trainer.data.regenerate as r
+    import trainer.data.vllm_engine as engines
 
     # The vLLM branch with the HF model behind it, and a context as small as a vLLM engine might report.
     model, _ = r.load_target(str(model_dir), torch.float32, torch.device("cpu"))
-    monkeypatch.setattr(r, "vllm_importable", lambda: True)
+    monkeypatch.setattr(engines, "vllm_importable", lambda: True)
     monkeypatch.setattr(r, "vllm_engine", lambda target, dtype: r.Engine(r.hf_engine(model).generate, context=40))
     out = tmp_path / "out.jsonl"
     too_long = (

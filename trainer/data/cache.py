@@ -35,7 +35,7 @@ from torch.utils.data import Dataset
 from trainer.data.features import online_features
 from trainer.data.pack import PackedRow, collate, loss_token_counts
 from trainer.data.prepare import DataSpec, data_tokenizer, load_tokenizer, prepare
-from trainer.data.vllm_engine import VllmFeatures, run_in_vllm_env, vllm_importable
+from trainer.data.vllm_engine import VllmFeatures, handed_over
 from trainer.drafters.vocab import DraftVocab
 from trainer.errors import UserError
 from trainer.io import atomic_path, write_text_atomic
@@ -126,14 +126,9 @@ def cache_features(
         vllm_python: engine vllm only: the python of vLLM's environment, used when vLLM is not importable here;
             default $TRAINER_VLLM_PYTHON.
     """
-    if engine not in ("hf", "vllm"):
-        raise UserError(f"--engine {engine!r} is not one of hf, vllm")
-    if engine == "vllm" and not vllm_importable():
-        arguments = dict(
-            target=target, layers=list(layers), out=out, spec=asdict(spec), topk=topk, shard_rows=shard_rows,
-            batch_size=batch_size, dtype=dtype, draft_vocab_size=draft_vocab_size, engine=engine,
-        )  # fmt: skip
-        run_in_vllm_env("cache", arguments, vllm_python)
+    arguments = dict(target=target, layers=list(layers), out=out, spec=asdict(spec), topk=topk,
+                     shard_rows=shard_rows, batch_size=batch_size, dtype=dtype, draft_vocab_size=draft_vocab_size)
+    if handed_over("cache", engine, arguments, vllm_python):
         return
     out_dir = Path(out)
     spec = replace(spec, tokenizer=data_tokenizer(spec.tokenizer, target))

@@ -67,7 +67,7 @@ from transformers import (
 from trainer.data.prepare import load_tokenizer
 from trainer.data.render import stop_token_ids, turn_end_marker
 from trainer.data.sources import LoadReport, load_chat, load_text
-from trainer.data.vllm_engine import run_in_vllm_env, vllm_importable
+from trainer.data.vllm_engine import handed_over
 from trainer.devices import parse_device, parse_dtype
 from trainer.errors import UserError
 from trainer.sampling import draw, nucleus
@@ -502,20 +502,15 @@ def regenerate(
         raise UserError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
     if limit is not None and limit < 1:
         raise UserError(f"limit must be >= 1, got {limit}")
-    if engine == "vllm":
-        if device is not None:
-            raise UserError(f"--device {device} is for --engine hf; vLLM runs on the device of its build")
-        if not vllm_importable():
-            arguments = dict(
-                target=target, data=data, output=output, temperature=temperature, top_p=top_p,
-                max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, strict=strict, dtype=dtype,
-                chat_template_kwargs=chat_template_kwargs, format=format, prompt_tokens=prompt_tokens, limit=limit,
-                engine=engine,
-            )  # fmt: skip
-            run_in_vllm_env("regenerate", arguments, vllm_python)
-            return
-    elif engine != "hf":
-        raise UserError(f"--engine {engine!r} is not one of hf, vllm")
+    if engine == "vllm" and device is not None:
+        raise UserError(f"--device {device} is for --engine hf; vLLM runs on the device of its build")
+    arguments = dict(
+        target=target, data=data, output=output, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+        batch_size=batch_size, seed=seed, strict=strict, dtype=dtype, chat_template_kwargs=chat_template_kwargs,
+        format=format, prompt_tokens=prompt_tokens, limit=limit,
+    )  # fmt: skip
+    if handed_over("regenerate", engine, arguments, vllm_python):
+        return
     template_kwargs = chat_template_kwargs or {}
     out_path = Path(output)
     _check_output_not_input(out_path, data)

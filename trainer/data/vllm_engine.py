@@ -86,6 +86,17 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def handed_over(command: str, engine: str, kwargs: dict[str, Any], python: str | None) -> bool:
+    """The one engine rule of the data jobs: ``engine`` must be hf or vllm; a vllm job where vLLM is not importable
+    runs here in vLLM's environment (:func:`run_in_vllm_env`) and True says it is done. False: run in this process."""
+    if engine not in ("hf", "vllm"):
+        raise UserError(f"--engine {engine!r} is not one of hf, vllm")
+    if engine == "hf" or vllm_importable():
+        return False
+    run_in_vllm_env(command, {**kwargs, "engine": engine}, python)
+    return True
+
+
 def run_in_vllm_env(command: str, kwargs: dict[str, Any], python: str | None) -> None:
     """Run ``trainer data COMMAND`` with ``kwargs`` (JSON-able, ``engine="vllm"``) in vLLM's environment, its output
     on this process's stdout and stderr; a failure there is a UserError here."""
