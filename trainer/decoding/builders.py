@@ -316,10 +316,7 @@ class _SpecBlockTree:
             width = 1 if stopped else width
             top = block.logprobs[slot].topk(min(width, block.logprobs.shape[-1]))
             children = self.add(node, to_target(top.indices).tolist(), top.values.tolist())
-            # A block launched from this slot sees what the block saw plus the block's slots up to this one.
-            seen = torch.zeros(block.offset + k_slots, dtype=torch.bool, device=block.visible.device)
-            seen[: block.visible.numel()] = block.visible
-            seen[block.offset : block.offset + slot + 1] = True
+            seen = block.seen_from(slot)
             position = block.position + 1 + slot
             if width > 1:
                 launching = children if options.specblock_launch_greedy else children[1:]
@@ -371,6 +368,17 @@ def _specblock(
         return best_subtree(tree.tokens, tree.parents, tree.scores, root, budget)
 
 
+def _specblock_chain(
+    session: SpecBlockSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions
+) -> Tree:
+    """SpecBlock's chain, as vLLM drafts it (:meth:`SpecBlockSession.chain`): greedy slots of the root block, then of
+    blocks launched from each block's last slot, ``min(max_depth, budget)`` deep."""
+    with clock("draft"):
+        tokens = session.chain(root, min(max_depth, budget))
+    with clock("tree"):
+        return chain(root, torch.tensor(tokens, dtype=torch.long), budget)
+
+
 def _none(session: DraftSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions) -> Tree:
     return root_only(root)
 
@@ -384,6 +392,7 @@ BUILDERS: dict[str, TreeBuilder] = {
         TreeBuilder("recycling", RecyclingSession, _recycling),
         TreeBuilder("eagle", Eagle3Session, _eagle),
         TreeBuilder("specblock", SpecBlockSession, _specblock),
+        TreeBuilder("specblock-chain", SpecBlockSession, _specblock_chain),
         TreeBuilder("graft", GraftSession, _graft, drafts_like="eagle"),
         TreeBuilder("graft-dflash", GraftSession, _graft_dflash, drafts_like="ddtree"),
         TreeBuilder("none", DraftSession, _none),

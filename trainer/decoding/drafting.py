@@ -441,6 +441,14 @@ class SpecBlockBlock:
     visible: torch.Tensor
     position: int
 
+    def seen_from(self, slot: int) -> torch.Tensor:
+        """The cached keys a block launched from ``slot`` sees: what this block saw plus its own slots ``0..slot``.
+        Shape: (offset + K,) bool."""
+        seen = torch.zeros(self.offset + self.hidden.shape[0], dtype=torch.bool, device=self.visible.device)
+        seen[: self.visible.numel()] = self.visible
+        seen[self.offset : self.offset + slot + 1] = True
+        return seen
+
 
 class SpecBlockSession(ContextSession):
     """SpecBlock: committed positions are entered as context blocks (``K`` slots each, conditioned on their
@@ -509,6 +517,26 @@ class SpecBlockSession(ContextSession):
             SpecBlockBlock(hidden[n], logprobs[n], classes[n].tolist(), cached + n * k, visible[n], positions[n])
             for n in range(len(visible))
         ]
+
+    def chain(self, root: int, length: int) -> list[int]:
+        """SpecBlock's chain: ``length`` target ids drafted after ``root`` (the chain vLLM serves, and the
+        ``specblock-chain`` builder's). The root block's greedy slots, then a block launched from the last slot of
+        the block before (that slot's state, its greedy token at its position, seeing what that slot saw), one
+        forward per block: ``max(1, ceil(length / K))`` forwards (one more under ``same`` alignment). Length 0 only
+        enters the pending context. The context stays cached, the blocks are dropped."""
+        block = self.root_block(root)
+        last = self.block_size - 1
+        tokens: list[int] = []
+        while True:
+            # Shape: (K,) target ids of the block's greedy slots.
+            greedy = self.drafter.to_target(block.logprobs.argmax(-1))
+            tokens += greedy[: length - len(tokens)].tolist()
+            if len(tokens) >= length:
+                break
+            launch = [block.position + 1 + last], [block.seen_from(last)]
+            block = self.launch(block.hidden[last:], greedy[last:], *launch)[0]
+        self.drop_tree()
+        return tokens
 
     def drop_tree(self) -> None:
         """Forget the step's blocks, keep the context."""

@@ -85,7 +85,8 @@ FAMILIES: dict[str, Family] = {
             "dflash",
         ),
         Family("eagle3", Eagle3DraftModel, EAGLE3_ARCHITECTURE, Eagle3DecoderLayer, vllm_method="eagle3"),
-        Family("specblock", SpecBlockDraftModel, "SpecBlockDraftModel", DrafterDecoderLayer),
+        # Served by vLLM's EAGLE-3 route through this project's plugin (trainer.integrations.vllm.specblock).
+        Family("specblock", SpecBlockDraftModel, "SpecBlockDraftModel", DrafterDecoderLayer, vllm_method="eagle3"),
     )
 }
 _BY_CLASS = {f.cls: f for f in FAMILIES.values()}

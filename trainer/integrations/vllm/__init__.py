@@ -1,6 +1,7 @@
 """The vLLM plugin (entry point ``vllm.general_plugins``: ``trainer``): verifier logs from a vLLM server.
 
-vLLM calls :func:`register` in each of its processes. It does nothing unless configured
+vLLM calls :func:`register` in each of its processes. It installs SpecBlock serving
+(:mod:`trainer.integrations.vllm.specblock`) and nothing else unless configured
 (:mod:`trainer.integrations.vllm.config`); configured, it checks the vLLM release and installs the hooks of
 :mod:`trainer.integrations.vllm.hooks`. Install into vLLM's own environment with ``.ci/vllm_env``.
 """
@@ -11,6 +12,9 @@ from trainer.integrations.vllm.config import PluginConfig
 
 
 def register() -> None:
+    from trainer.integrations.vllm.specblock import install as install_specblock
+
+    install_specblock()
     config = PluginConfig.from_env()
     if not config.enabled:
         return

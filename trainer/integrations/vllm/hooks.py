@@ -47,6 +47,7 @@ from trainer.errors import UserError
 from trainer.integrations.vllm.config import PluginConfig, PluginError
 from trainer.integrations.vllm.metrics import PluginFigures, figures_dir
 from trainer.integrations.vllm.records import PLACEHOLDER, DeviceTop, Recorder, StepFields, ended_output, trimmed
+from trainer.integrations.vllm.specblock import serves_specblock
 from trainer.vlog.writer import LogWriter, WriterStalled
 
 # The vLLM release whose private interfaces these hooks follow (the one the tests run), and the releases whose
@@ -174,6 +175,8 @@ class Plugin:
             served = self.recorder.served
             if spec is not None:
                 served.budget, served.tree = spec.num_speculative_tokens, f"vllm-{spec.method}"
+                if serves_specblock(runner.vllm_config):
+                    served.tree = "vllm-specblock"
                 served.drafter = None if spec.method in DRAFTER_FREE else spec.model
                 served.version = None if served.drafter is None else 0
                 self.recorder.drafted_version = served.version

@@ -1,7 +1,9 @@
 """Export parity gate: vLLM serves an export of a drafter; its per-position acceptance is printed beside our engine's
 for the same drafter and chain length, and both outputs beside plain decoding (fp32, greedy: all must be equal).
 
-vLLM verifies chains: EAGLE-3 drafts ``--tokens`` deep (our ``eagle`` builder with one candidate per depth),
+vLLM verifies chains: EAGLE-3 drafts ``--tokens`` deep (our ``eagle`` builder with one candidate per depth), a
+SpecBlock export SpecBlock's chain of ``--tokens`` (:mod:`trainer.integrations.vllm.specblock`; our
+``specblock-chain`` builder),
 DFlash a block of ``block_size - 1`` (our ``chain`` builder). A TreeFlash drafter is served as DFlash, its
 AR-approximator dropped (the ``dflash`` layout), and compared with our engine drafting with its backbone. Runs in
 vLLM's environment (``.ci/vllm_env``), one vLLM engine per format, in process; exits 1 on any difference::
@@ -57,13 +59,15 @@ class ChainAcceptance:
 def ours(
     target: PreTrainedModel, drafter: PreTrainedModel, prompts: list[list[int]], tokens: int, max_tokens: int
 ) -> tuple[list[list[int]], ChainAcceptance]:
-    """Our engine drafting the chain vLLM drafts: EAGLE-3 ``tokens`` deep with one candidate per depth, a block
-    drafter its ``chain`` of ``tokens``.
+    """Our engine drafting the chain vLLM drafts: EAGLE-3 ``tokens`` deep with one candidate per depth, SpecBlock
+    its ``specblock-chain``, a block drafter its ``chain`` of ``tokens``.
 
     vLLM drafts the full chain at every step, the last ones included, and counts what it accepted before trimming
     the output to ``max_tokens``; our engine shortens the chain to the tokens still wanted. So ours decodes
     ``tokens`` further and counts the steps that started before ``max_tokens`` (the steps vLLM ran)."""
-    if family_of(drafter).vllm_method == "eagle3":
+    if family_of(drafter).name == "specblock":
+        tree, options = "specblock-chain", TreeOptions()
+    elif family_of(drafter).vllm_method == "eagle3":
         tree, options = "eagle", TreeOptions(eagle_top_k=1, eagle_depth=tokens)
     else:
         tree, options = "chain", TreeOptions()
@@ -117,6 +121,9 @@ def served(
         # 0.32.0's DFlash drafts differently (some blocks all token 0) and accepts less; from 256 on it agrees.
         max_model_len=max(MIN_MODEL_LEN, 2 * (max(len(p) for p in prompts) + max_tokens + tokens + 1)),
         async_scheduling=False,
+        # A SpecBlock drafter refuses vLLM's prefix cache (trainer.integrations.vllm.specblock); every format runs
+        # without it alike (the prompts share no cached prefix either way).
+        enable_prefix_caching=False,
         disable_log_stats=False,
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         seed=0,
@@ -147,7 +154,10 @@ def method_of(drafter: PreTrainedModel) -> str:
 
 
 def chain_length(drafter: PreTrainedModel, tokens: int | None) -> int:
-    """EAGLE-3: ``tokens`` (default 3); DFlash: its block less the root, which vLLM drafts whole."""
+    """EAGLE-3: ``tokens`` (default 3); SpecBlock: ``tokens`` (default its block); DFlash: its block less the root,
+    which vLLM drafts whole."""
+    if family_of(drafter).name == "specblock":
+        return tokens or drafter.block_size
     if method_of(drafter) == "eagle3":
         return tokens or 3
     block = as_dflash(drafter).block_size - 1
