@@ -106,6 +106,17 @@ def _treeflash(
         return treeflash(tables, root, budget)
 
 
+def _treeflash_chain(
+    session: TreeFlashSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions
+) -> Tree:
+    """TreeFlash's chain: each depth's argmax given the token drafted before it (what vLLM serves of a TreeFlash
+    export, trainer.integrations.vllm.treeflash)."""
+    with clock("draft"):
+        tokens = session.chain(root, min(max_depth, budget))
+    with clock("tree"):
+        return chain(root, tokens, budget)
+
+
 def _recycling(
     session: RecyclingSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions
 ) -> Tree:
@@ -389,6 +400,7 @@ BUILDERS: dict[str, TreeBuilder] = {
         TreeBuilder("chain", BlockDraftSession, _chain),
         TreeBuilder("ddtree", BlockDraftSession, _ddtree),
         TreeBuilder("treeflash", TreeFlashSession, _treeflash),
+        TreeBuilder("treeflash-chain", TreeFlashSession, _treeflash_chain),
         TreeBuilder("recycling", RecyclingSession, _recycling),
         TreeBuilder("eagle", Eagle3Session, _eagle),
         TreeBuilder("specblock", SpecBlockSession, _specblock),

@@ -268,6 +268,19 @@ class TreeFlashSession(BlockDraftSession):
         # Candidates of slots 1..depth, in the rows of the slots they belong to.
         return Transitions.from_candidates(top_m_ids[1:], top.indices, top.values)
 
+    def chain(self, root: int, depth: int) -> torch.Tensor:
+        """TreeFlash's greedy chain of depths ``1..d``, ``d = min(depth, block_size - 1)``: one block forward, then
+        slot ``j``'s token is the argmax of its state corrected by the token chosen at slot ``j - 1`` (slot 1: by
+        ``root``), one approximator and head per slot. Shape: (d,)"""
+        hidden, normed = self._block(root, depth)
+        previous = torch.tensor([root], device=self.device)
+        tokens = []
+        for slot in range(1, hidden.shape[0]):
+            corrected = self.treeflash.correct(hidden[slot], normed[slot], self.embed(previous)[0].to(hidden.dtype))
+            previous = self.head(corrected).float().argmax(-1, keepdim=True)
+            tokens.append(previous)
+        return torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long, device=self.device)
+
 
 class RecyclingSession(DraftSession):
     """Token Recycling: ``adjacency[x]`` holds the ``width`` most likely successors of token ``x`` as the

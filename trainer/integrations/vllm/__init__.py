@@ -1,7 +1,8 @@
 """The vLLM plugin (entry point ``vllm.general_plugins``: ``trainer``): verifier logs from a vLLM server.
 
-vLLM calls :func:`register` in each of its processes. It installs SpecBlock serving
-(:mod:`trainer.integrations.vllm.specblock`) and nothing else unless configured
+vLLM calls :func:`register` in each of its processes. It installs TreeFlash serving
+(:mod:`trainer.integrations.vllm.treeflash`) and SpecBlock serving (:mod:`trainer.integrations.vllm.specblock`)
+and nothing else unless configured
 (:mod:`trainer.integrations.vllm.config`); configured, it checks the vLLM release and installs the hooks of
 :mod:`trainer.integrations.vllm.hooks`. Install into vLLM's own environment with ``.ci/vllm_env``.
 """
@@ -13,7 +14,9 @@ from trainer.integrations.vllm.config import PluginConfig
 
 def register() -> None:
     from trainer.integrations.vllm.specblock import install as install_specblock
+    from trainer.integrations.vllm.treeflash import install as install_treeflash
 
+    install_treeflash()
     install_specblock()
     config = PluginConfig.from_env()
     if not config.enabled:

@@ -4,9 +4,11 @@ for the same drafter and chain length, and both outputs beside plain decoding (f
 vLLM verifies chains: EAGLE-3 drafts ``--tokens`` deep (our ``eagle`` builder with one candidate per depth), a
 SpecBlock export SpecBlock's chain of ``--tokens`` (:mod:`trainer.integrations.vllm.specblock`; our
 ``specblock-chain`` builder),
-DFlash a block of ``block_size - 1`` (our ``chain`` builder). A TreeFlash drafter is served as DFlash, its
-AR-approximator dropped (the ``dflash`` layout), and compared with our engine drafting with its backbone. Runs in
-vLLM's environment (``.ci/vllm_env``), one vLLM engine per format, in process; exits 1 on any difference::
+DFlash a block of ``block_size - 1`` (our ``chain`` builder). A TreeFlash drafter's ``treeflash`` export drafts
+TreeFlash's chain of that block (:mod:`trainer.integrations.vllm.treeflash`; our ``treeflash-chain`` builder); its
+``dflash`` export is its backbone, its AR-approximator dropped, compared with our engine drafting with the
+backbone. Runs in vLLM's environment (``.ci/vllm_env``), one vLLM engine per format, in process; exits 1 on any
+difference::
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m trainer.integrations.vllm.parity \\
         --drafter checkpoints/eagle3_tiny --formats speculators --limit 8 --max-tokens 64
@@ -59,8 +61,8 @@ class ChainAcceptance:
 def ours(
     target: PreTrainedModel, drafter: PreTrainedModel, prompts: list[list[int]], tokens: int, max_tokens: int
 ) -> tuple[list[list[int]], ChainAcceptance]:
-    """Our engine drafting the chain vLLM drafts: EAGLE-3 ``tokens`` deep with one candidate per depth, SpecBlock
-    its ``specblock-chain``, a block drafter its ``chain`` of ``tokens``.
+    """Our engine drafting the chain vLLM drafts: EAGLE-3 ``tokens`` deep with one candidate per depth, DFlash its
+    ``chain`` of ``tokens``, TreeFlash its ``treeflash-chain``, SpecBlock its ``specblock-chain``.
 
     vLLM drafts the full chain at every step, the last ones included, and counts what it accepted before trimming
     the output to ``max_tokens``; our engine shortens the chain to the tokens still wanted. So ours decodes
@@ -69,6 +71,8 @@ def ours(
         tree, options = "specblock-chain", TreeOptions()
     elif family_of(drafter).vllm_method == "eagle3":
         tree, options = "eagle", TreeOptions(eagle_top_k=1, eagle_depth=tokens)
+    elif family_of(drafter).approximator is not None:
+        tree, options = "treeflash-chain", TreeOptions()
     else:
         tree, options = "chain", TreeOptions()
     outputs, per_position, drafts, draft_tokens = [], [0] * tokens, 0, 0
@@ -175,15 +179,18 @@ def check(
     drafter = load_source(Path(drafter_path)).drafter
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     k = chain_length(drafter, tokens)
-    # A family vLLM serves through another's method (TreeFlash as DFlash) is compared as what vLLM serves.
-    served_as = family_of(drafter).name != method_of(drafter)
-    ours_drafter = as_dflash(drafter) if served_as else drafter
     reference = plain(target, prompts, max_tokens)
-    our_outputs, our_counts = ours(target, ours_drafter, prompts, k, max_tokens)
+    # Ours per drafter vLLM serves: a TreeFlash drafter's ``treeflash`` export is itself, any other of its exports
+    # its DFlash backbone.
+    drafted: dict[bool, tuple[list[list[int]], ChainAcceptance]] = {}
     rows = []
     for fmt in formats:
         if fmt not in formats_for(drafter):
             raise UserError(f"{drafter_path} does not export as {fmt}; it exports as {', '.join(formats_for(drafter))}")
+        served_as = family_of(drafter).approximator is not None and fmt != "treeflash"
+        if served_as not in drafted:
+            drafted[served_as] = ours(target, as_dflash(drafter) if served_as else drafter, prompts, k, max_tokens)
+        our_outputs, our_counts = drafted[served_as]
         with tempfile.TemporaryDirectory() as tmp:
             export = served_dir or write_export(drafter, fmt, Path(tmp) / fmt, str(target_path))
             vllm_outputs, vllm_counts = served(target_path, export, method_of(drafter), k, prompts, max_tokens)

@@ -33,6 +33,7 @@ from trainer.drafters.families import FAMILIES, family_of
 from trainer.export.dflash import as_dflash
 from trainer.export.speculators import dflash_layout, eagle3_layout
 from trainer.export.speculators import load as load_speculators
+from trainer.integrations.vllm import specblock
 from trainer.integrations.vllm.config import PluginError
 from trainer.integrations.vllm.metrics import PluginFigures
 from trainer.snapshots import read_current
@@ -44,20 +45,28 @@ class RefusedVersion(Exception):
     """A published version the served drafter cannot take; the message says why."""
 
 
-def layout(drafter: torch.nn.Module) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The speculators layout's architecture fields and weights of one of our drafters."""
-    method = family_of(drafter).vllm_method
-    if method == "eagle3":
+def layout(drafter: torch.nn.Module, approximator: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The speculators layout's architecture fields and weights of one of our drafters; with ``approximator`` (vLLM
+    serves a TreeFlash export: :mod:`trainer.integrations.vllm.treeflash`) a TreeFlash drafter's AR-approximator
+    too, as ``ar_approximation.*`` (a drafter without one has no such weights, and is refused for it)."""
+    family = family_of(drafter)
+    if family.name == "specblock":
+        return specblock.layout(drafter)
+    if family.vllm_method == "eagle3":
         return eagle3_layout(drafter, None)
-    if method == "dflash":
-        return dflash_layout(as_dflash(drafter), None)
+    if family.vllm_method == "dflash":
+        fields, weights = dflash_layout(as_dflash(drafter), None)
+        if approximator and family.approximator is not None:
+            part = getattr(drafter, family.approximator)
+            weights |= {f"{family.approximator}.{k}": v for k, v in part.state_dict().items()}
+        return fields, weights
     served = [f.cls.__name__ for f in FAMILIES.values() if f.vllm_method]
     raise RefusedVersion(f"a {type(drafter).__name__} has no vLLM drafter ({', '.join(served)})")
 
 
 # What must agree between the served drafter and a new version besides the weights' names and shapes.
 ARCHITECTURE = ("speculators_model_type", "eagle_aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids",
-                "block_size", "mask_token_id", "draft_vocab_size")  # fmt: skip
+                "block_size", "mask_token_id", "draft_vocab_size", "alignment")  # fmt: skip
 
 
 def served_drafter(path: Path) -> torch.nn.Module:
@@ -116,6 +125,8 @@ class Reloader:
         self.figures = figures
         self.on_error = on_error
         self.runner: Any = None
+        # Whether the served drafter has TreeFlash's approximator (set by :meth:`attach`).
+        self.approximator = False
         self.reference: tuple[dict[str, Any], dict[str, tuple]] | None = None
         # The weights serving now, to restore the drafter when an in-place copy fails half-way.
         self.serving: dict[str, torch.Tensor] = {}
@@ -138,8 +149,10 @@ class Reloader:
         if runner.get_draft_model() is None:
             raise PluginError(f"TRAINER_VLLM_WATCH={self.watch} needs a drafter in vLLM's speculative config")
         directory = Path(runner.speculative_config.model)
+        # A TreeFlash export is served with its approximator, whose weights each version must then carry.
+        self.approximator = hasattr(getattr(runner.get_draft_model(), "model", None), "ar_approximation")
         try:
-            fields, weights = layout(served_drafter(directory))
+            fields, weights = layout(served_drafter(directory), self.approximator)
         except Exception as e:
             raise PluginError(
                 f"TRAINER_VLLM_WATCH: the served drafter {directory} cannot be read as one of ours "
@@ -194,7 +207,7 @@ class Reloader:
             drafter = load_drafter(directory)
         except Exception as e:
             raise RefusedVersion(f"cannot load it ({type(e).__name__}: {e})") from None
-        fields, weights = layout(drafter)
+        fields, weights = layout(drafter, self.approximator)
         signature = self._signature(fields, weights)
         assert self.reference is not None
         if signature != self.reference:
@@ -234,6 +247,11 @@ class Reloader:
         return ready.version
 
     def _copy(self, weights: dict[str, torch.Tensor]) -> None:
+        draft = self.runner.get_draft_model()
+        if getattr(draft, "loads_in_place", False):
+            # A SpecBlock drafter (trainer.integrations.vllm.specblock_proposer): plain tensors, copied in place.
+            draft.load_weights(iter(weights.items()))
+            return
         # In our dtype: vLLM's weight loaders convert while copying (the drafter's own tensors may be prepacked).
         reload_in_place(self.runner.get_draft_model(), self.runner.get_model(), self.runner.vllm_config,
                         iter(weights.items()))  # fmt: skip
