@@ -22,13 +22,21 @@ table), ``OUT/loop.json`` and ``OUT/loop.png``::
 ``--engine vllm`` serves with vLLM's server instead (its own environment, ``.ci/vllm_env``; ``--vllm-python``):
 the shipped EAGLE-3 drafter in the speculators layout, the plugin writing the verifier log and hot-loading the
 bandit's versions; the drafter version of each request is read from its step records (the version that drafted
-them). The graft daemon reads the same logs and publishes, but vLLM has no proposer that reads an adjacency, so
-the report's adjacency column stays 0 and its note says so. ``--bandit-options`` passes the bandit daemon's
+them). The graft daemon reads the same logs and publishes, which a drafter's proposer does not read, so the
+report's adjacency column stays 0 and its note says so. ``--bandit-options`` passes the bandit daemon's
 decision options (a long horizon makes its updates pay on this CPU; a short stream needs a larger exploration
 share), so that an updated version is trained, published and hot-loaded::
 
     python benchmarks/closed_loop.py --out runs/loop-vllm --engine vllm --vllm-python .venv-vllm/bin/python \\
         --requests 20 --bandit-options '--horizon-requests 100000 --explore-share 1'
+
+``--engine vllm --drafter none`` serves vLLM's graft proposer instead (trainer/integrations/vllm/graft.py,
+8-token chains from the adjacency, learning online): the graft daemon alone reads the log and vLLM switches its
+versions in, the adjacency column names the version that drafted each request, and the control is the proposer
+learning online without the daemon::
+
+    python benchmarks/closed_loop.py --out runs/loop-vllm-graft --engine vllm --vllm-python .venv-vllm/bin/python \\
+        --drafter none --requests 20 --temperature 0
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import httpx
 from trainer.adapt.bandit import SKIP
 from trainer.adapt.bandit_daemon import DECISIONS
 from trainer.drafters import load_drafter
+from trainer.drafters.families import family_of
 from trainer.export import write_export
 from trainer.integrations.vllm.parity import chain_length, method_of
 from trainer.integrations.vllm.process import VllmServer
@@ -62,6 +71,9 @@ DRAFTER = "checkpoints/dflash_tiny"
 TARGET = "checkpoints/target_tiny"
 # vLLM verifies chains; EAGLE-3 is the family whose vLLM chain drafts accept most on the tiny target.
 VLLM_DRAFTER = "checkpoints/eagle3_tiny"
+# vLLM's graft proposer (``--engine vllm --drafter none``) and the chain it drafts.
+GRAFT = "trainer.integrations.vllm.graft.GraftProposer"
+GRAFT_DEPTH = 8
 # Third-party packages the toolkit depends on: their source is out of the tiny target's domain.
 FOREIGN = ("httpx", "fastapi", "pydantic", "openai", "starlette", "uvicorn")
 
@@ -129,18 +141,22 @@ def wait_for_records(logs: Path, requests: list[str], deadline: float) -> None:
         time.sleep(0.5)
 
 
-def start_vllm(out: Path, python: str, drafter: str, logs: Path, watch: Path | None) -> VllmServer:
+def start_vllm(out: Path, python: str, drafter: str | None, logs: Path, watch: Path | None) -> VllmServer:
     """vLLM's server with the plugin: it serves ``drafter`` exported in the layout vLLM loads (EAGLE-3:
-    speculators; DFlash and TreeFlash: dflash, the approximator dropped), logs to ``logs`` and hot-loads the
-    versions published to ``watch``."""
-    source = load_drafter(drafter)
-    layout = "speculators" if method_of(source) == "eagle3" else "dflash"
-    served = write_export(source, layout, out / "export", str(project_path(TARGET)))
+    speculators; DFlash: dflash; TreeFlash: treeflash, its chain), logs to ``logs`` and hot-loads the versions
+    published to ``watch``; with ``drafter`` None, the graft proposer drafting :data:`GRAFT_DEPTH` tokens from
+    the adjacency versions published to ``watch``, learning online."""
     plugin = {"TRAINER_VLLM_LOG_DIR": str(logs), "TRAINER_VLLM_LOG_PREFIX": "loop", "TRAINER_VLLM_POLL_SECONDS": "0.2"}
     if watch is not None:
         plugin["TRAINER_VLLM_WATCH"] = str(watch)
-    speculative = {"model": str(served), "method": method_of(source),
-                   "num_speculative_tokens": chain_length(source, None)}  # fmt: skip
+    if drafter is None:
+        speculative = {"model": GRAFT, "method": "custom_class", "num_speculative_tokens": GRAFT_DEPTH}
+    else:
+        source = load_drafter(drafter)
+        layout = {"eagle3": "speculators", "dflash": "dflash", "treeflash": "treeflash"}[family_of(source).name]
+        served = write_export(source, layout, out / "export", str(project_path(TARGET)))
+        speculative = {"model": str(served), "method": method_of(source),
+                       "num_speculative_tokens": chain_length(source, None)}  # fmt: skip
     return VllmServer(python, project_path(TARGET), speculative, plugin, "target_tiny", log=out / "vllm.log")
 
 
@@ -163,11 +179,9 @@ def run_loop(
     ``drafter`` None: drafter-free recycling and no bandit daemon. ``tree`` "auto": the server's default, the
     cost-aware controller choosing plain decoding, recycling or the drafter's DDTree every step (the README's
     deployment setup). ``vllm_python``: vLLM's server (that environment's Python) serves ``drafter`` instead of
-    ``trainer serve``, with the plugin logging and hot-loading the bandit's versions; the graft daemon reads the same
-    logs and publishes, but vLLM has no proposer that reads an adjacency. ``bandit_options``: extra arguments of
+    ``trainer serve``, with the plugin logging and hot-loading the bandit's versions (``drafter`` None: the graft
+    proposer, switching in the graft daemon's versions). ``bandit_options``: extra arguments of
     ``trainer adapt bandit``."""
-    if vllm_python is not None and drafter is None:
-        raise ValueError("vLLM serves a drafter; drafter-free recycling is trainer serve's")
     logs, publish_dir, drafters = out / "logs", out / "publish", out / "drafters"
     publish_dir.mkdir(parents=True, exist_ok=True)
     if drafter is not None:
@@ -186,7 +200,8 @@ def run_loop(
             [*serving, "--budget", "16", "--logs", str(logs), "--log-prefix", "loop", *(watch if adapt else [])]
         )
     else:
-        server = start_vllm(out, vllm_python, str(drafter), logs, drafters if adapt else None)
+        watch = (publish_dir if drafter is None else drafters) if adapt else None
+        server = start_vllm(out, vllm_python, drafter, logs, watch)
     target = str(project_path(TARGET))
     # Per daemon: its output file and the server's gauge of the version it published.
     files = {"graft": (out / "daemon.log", "trainer_adjacency_version")}
@@ -211,7 +226,7 @@ def run_loop(
                     if vllm_python is None:
                         wait_for_versions(server, [gauge for _, gauge in files.values()], time.time() + 120)
                     else:
-                        wait_for_publications([publish_dir, drafters], time.time() + 120)
+                        wait_for_publications([publish_dir] + ([drafters] if drafter else []), time.time() + 120)
                 body = {"model": "target_tiny", "prompt": prompt, "max_tokens": max_tokens,
                         "temperature": temperature, "seed": i}  # fmt: skip
                 if vllm_python is not None:
@@ -222,7 +237,7 @@ def run_loop(
                 if vllm_python is None:
                     adjacency, drafter_version = server.metrics("trainer_adjacency_version", "trainer_drafter_version")
                 else:
-                    # vLLM loads no adjacency; the drafter versions come from the request's step records below.
+                    # The versions that drafted the request come from its step records below.
                     adjacency, drafter_version = 0, 0
                 sent.append((domain, response.json()["id"], int(adjacency), int(drafter_version)))
         if vllm_python is not None:
@@ -251,6 +266,7 @@ def run_loop(
         mine = steps.get(key, [])
         if vllm_python is not None:
             drafter_version = max((r["drafter_version"] or 0 for r in mine), default=0)
+            adjacency = max((r.get("adjacency_version") or 0 for r in mine), default=0)
         tau = sum(len(r["accepted"]) + 1 for r in mine) / max(len(mine), 1)
         served.append(Served(i, domain, rid, tau, len(mine), outputs.get(key, 0), adjacency, drafter_version))
     return served
@@ -386,11 +402,11 @@ def main() -> None:
         control = run_loop(args.out / "control", *run, adapt=False, drafter=drafter, tree=args.tree,
                            vllm_python=vllm_python, foreign=args.foreign)  # fmt: skip
     note = None
-    if vllm_python:
+    if vllm_python and drafter is not None:
         published = read_current(args.out / "loop" / "publish")
         note = (f"vLLM served {drafter} with the plugin; the graft daemon read the same logs and published adjacency "
-                f"version {published[0] if published else 0}, which vLLM cannot use (it has no proposer that reads "
-                "an adjacency): the adjacency column stays 0.")  # fmt: skip
+                f"version {published[0] if published else 0}, which a drafter's proposer does not read (`--drafter "
+                "none` serves the graft proposer): the adjacency column stays 0.")  # fmt: skip
     rows = write_report(args.out, served, args.window, control, note)
     print((args.out / "loop.md").read_text())
     foreign = [r for r in rows if r["domain"] == "foreign"]

@@ -48,23 +48,27 @@ def top_rows(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     least that value, and at most k - 1 other chunks can have a larger one."""
     rows, vocab = values.shape
     # Below about 32k values the two stages' fixed costs exceed a full topk (measured: 4 rows of 8192 break even).
+    host = _host_argmax(values)
     if vocab % CHUNK or vocab // CHUNK < k or values.numel() < 4 * 8192:
+        ids = values.argmax(-1) if host is None else host
         if k == 1:
-            ids = values.argmax(-1, keepdim=True)
-            return ids, values.gather(-1, ids)
+            return ids[:, None], values.gather(-1, ids[:, None])
         top = values.topk(k, dim=-1)
-        return _first_max_first(top.indices, values.argmax(-1)), top.values
+        return _first_max_first(top.indices, ids), top.values
     per_row = vocab // CHUNK
     chunks = values.view(rows, per_row, CHUNK)
     maxima = chunks.amax(-1)
-    # The first index of the maximum: the first chunk holding it, then the first position there (argmax returns
-    # the first of equal values; over (R, V / CHUNK) and (R, CHUNK) it is cheap).
-    high = maxima.amax(-1, keepdim=True)
-    first_chunk = (maxima == high).to(torch.uint8).argmax(-1)
-    within = (chunks[torch.arange(rows, device=high.device), first_chunk] == high).to(torch.uint8).argmax(-1)
-    first = first_chunk * CHUNK + within
+    if host is not None:
+        first = host
+    else:
+        # The first index of the maximum: the first chunk holding it, then the first position there (argmax
+        # returns the first of equal values; over (R, V / CHUNK) and (R, CHUNK) it is cheap).
+        high = maxima.amax(-1, keepdim=True)
+        first_chunk = (maxima == high).to(torch.uint8).argmax(-1)
+        within = (chunks[torch.arange(rows, device=high.device), first_chunk] == high).to(torch.uint8).argmax(-1)
+        first = first_chunk * CHUNK + within
     if k == 1:
-        return first[:, None], high
+        return first[:, None], values.gather(-1, first[:, None])
     # Shape: (R, k) chunk indices, in no order (the second stage sorts; unsorted measured ~10% faster).
     best = maxima.topk(k, dim=-1, sorted=False).indices
     # Whole chunks are contiguous rows of this view: index_select copies them (cheaper than an element gather).
@@ -73,6 +77,15 @@ def top_rows(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     top = candidates.topk(k, dim=-1)
     ids = best.gather(1, top.indices // CHUNK) * CHUNK + top.indices % CHUNK
     return _first_max_first(ids, first), top.values
+
+
+def _host_argmax(values: torch.Tensor) -> torch.Tensor | None:
+    """The first index of every row's maximum by numpy, for fp32/fp64 rows on the CPU (None elsewhere): numpy's
+    argmax is one vectorised pass, about 20x torch's CPU argmax (measured at 32 x 8192: 0.02 against 0.44 ms);
+    both return the first of equal values. Shape: (R, V) → (R,) long."""
+    if values.device.type != "cpu" or values.dtype not in (torch.float32, torch.float64):
+        return None
+    return torch.from_numpy(values.detach().numpy().argmax(-1))
 
 
 def _first_max_first(ids: torch.Tensor, first: torch.Tensor) -> torch.Tensor:

@@ -127,6 +127,21 @@ def _recycling(
         return retrieval(session.adjacency, root, template, prior_ranks(*shape))
 
 
+def chain_template(depth: int) -> tuple[tuple[int, ...], ...]:
+    """The rank paths of a chain ``depth`` deep: every node the first-ranked successor of its parent."""
+    return tuple((0,) * d for d in range(1, depth + 1))
+
+
+def _recycling_chain(
+    session: RecyclingSession, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions
+) -> Tree:
+    """The chain an engine that verifies chains only drafts from the matrix (vLLM's graft proposer,
+    trainer/integrations/vllm/graft.py): from the root, each node's best-ranked successor, ``budget`` deep; it
+    ends early at a token without a known successor."""
+    with clock("tree"):
+        return retrieval(session.adjacency, root, chain_template(min(budget, max_depth)))
+
+
 def _eagle(session: Eagle3Session, root: int, budget: int, max_depth: int, clock: Clock, options: TreeOptions) -> Tree:
     """EAGLE-2: expand the ``eagle_top_k`` best frontier nodes by cumulative log-prob, one drafter forward per
     depth, recording every node's top-k children; the tree is the ``budget`` best recorded candidates."""
@@ -402,6 +417,7 @@ BUILDERS: dict[str, TreeBuilder] = {
         TreeBuilder("treeflash", TreeFlashSession, _treeflash),
         TreeBuilder("treeflash-chain", TreeFlashSession, _treeflash_chain),
         TreeBuilder("recycling", RecyclingSession, _recycling),
+        TreeBuilder("recycling-chain", RecyclingSession, _recycling_chain),
         TreeBuilder("eagle", Eagle3Session, _eagle),
         TreeBuilder("specblock", SpecBlockSession, _specblock),
         TreeBuilder("specblock-chain", SpecBlockSession, _specblock_chain),

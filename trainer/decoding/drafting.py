@@ -282,6 +282,20 @@ class TreeFlashSession(BlockDraftSession):
         return torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long, device=self.device)
 
 
+def check_adjacency(adjacency: torch.Tensor, vocab_size: int, version: int | None) -> None:
+    """A published adjacency matrix fits a target of ``vocab_size`` tokens: integer ids of Shape (V, k >= 1) in
+    [-1, V). Raises UserError saying what does not."""
+    if adjacency.dim() != 2 or adjacency.shape[0] != vocab_size or adjacency.shape[1] < 1:
+        raise UserError(
+            f"adjacency version {version}: expected integer ids of shape ({vocab_size}, k), "
+            f"got {adjacency.dtype} {tuple(adjacency.shape)}"
+        )
+    if adjacency.dtype not in (torch.int32, torch.int64):
+        raise UserError(f"adjacency version {version}: expected int32/int64 token ids, got {adjacency.dtype}")
+    if adjacency.numel() and (int(adjacency.max()) >= vocab_size or int(adjacency.min()) < -1):
+        raise UserError(f"adjacency version {version}: token ids outside [-1, {vocab_size})")
+
+
 class RecyclingSession(DraftSession):
     """Token Recycling: ``adjacency[x]`` holds the ``width`` most likely successors of token ``x`` as the
     target last predicted them. Kept across requests ("hot start"), so one session serves a whole run."""
@@ -305,16 +319,7 @@ class RecyclingSession(DraftSession):
         evidence than any snapshot, which a daemon built from older logs: they are kept (cut or padded with -1 to
         the snapshot's width), and the snapshot fills every other row. Its width becomes ours (the retrieval
         template follows ``adjacency.shape[1]``). A wrong shape or id is a UserError and changes nothing."""
-        vocab_size = self.adjacency.shape[0]
-        if adjacency.dim() != 2 or adjacency.shape[0] != vocab_size or adjacency.shape[1] < 1:
-            raise UserError(
-                f"adjacency version {version}: expected integer ids of shape ({vocab_size}, k), "
-                f"got {adjacency.dtype} {tuple(adjacency.shape)}"
-            )
-        if adjacency.dtype not in (torch.int32, torch.int64):
-            raise UserError(f"adjacency version {version}: expected int32/int64 token ids, got {adjacency.dtype}")
-        if adjacency.numel() and (int(adjacency.max()) >= vocab_size or int(adjacency.min()) < -1):
-            raise UserError(f"adjacency version {version}: token ids outside [-1, {vocab_size})")
+        check_adjacency(adjacency, self.adjacency.shape[0], version)
         # A copy: learning writes the matrix in place, and the caller's tensor stays the snapshot.
         merged = adjacency.to(device=self.adjacency.device, dtype=torch.long, copy=True)
         local = (self.adjacency != self._loaded).any(1)
@@ -328,15 +333,20 @@ class RecyclingSession(DraftSession):
     def learn(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """``adjacency[tokens[i]] = top-width(logits[i])``; a token seen twice keeps its last row, so learning
         several trees' nodes concatenated in order equals learning them one after another."""
-        tokens = tokens.to(self.adjacency.device)
-        # The last occurrence of each token, found in Python: calls carry a prompt or a batch's trees (tens to
-        # hundreds of ids), for which a vocabulary-sized scatter costs more than the dictionary.
-        last = {token: i for i, token in enumerate(tokens.tolist())}
-        if len(last) < tokens.numel():
-            keep = torch.tensor(sorted(last.values()), dtype=torch.long)
+        keep = _last_occurrences(tokens)
+        if keep is not None:
             tokens, logits = tokens[keep.to(tokens.device)], logits[keep.to(logits.device)]
         top = top_rows(logits, self.adjacency.shape[1])[0]
-        self.adjacency[tokens] = top.to(self.adjacency.device)
+        self.adjacency[tokens.to(self.adjacency.device)] = top.to(self.adjacency.device)
+
+    def learn_top(self, tokens: torch.Tensor, top_ids: torch.Tensor) -> None:
+        """:meth:`learn` from rows whose top ids the caller took (``top_rows`` of the logits, at least as wide as
+        the matrix: their first ``width`` columns are the top-``width``). Shape: tokens (N,), top_ids (N, >= width)."""
+        keep = _last_occurrences(tokens)
+        if keep is not None:
+            tokens, top_ids = tokens[keep.to(tokens.device)], top_ids[keep.to(top_ids.device)]
+        top = top_ids[:, : self.adjacency.shape[1]]
+        self.adjacency[tokens.to(self.adjacency.device)] = top.to(self.adjacency.device)
 
     def start(self, prompt: torch.Tensor, features: torch.Tensor | None, logits: torch.Tensor) -> None:
         # The prompt's last positions whose logits the prefill computed: all of them, or only the last when the
@@ -345,6 +355,16 @@ class RecyclingSession(DraftSession):
 
     def commit(self, tokens: list[int], features: torch.Tensor | None, tree: Tree, logits: torch.Tensor) -> None:
         self.learn(tree.tokens.to(logits.device), logits)
+
+
+def _last_occurrences(tokens: torch.Tensor) -> torch.Tensor | None:
+    """The positions of each token's last occurrence in ``tokens`` (Shape: (N,)), in order; None when no token
+    repeats. Found in Python: calls carry a prompt or a batch's trees (tens to hundreds of ids), for which a
+    vocabulary-sized scatter costs more than the dictionary."""
+    last = {token: i for i, token in enumerate(tokens.tolist())}
+    if len(last) == tokens.numel():
+        return None
+    return torch.tensor(sorted(last.values()), dtype=torch.long)
 
 
 class GraftSession(DraftSession):

@@ -8,6 +8,7 @@ Environment (each overrides the file's key of the same meaning)::
     TRAINER_VLLM_TOPK=8                "topk":       top-k width of every verified row, at least 8
     TRAINER_VLLM_WATCH=runs/drafters   "watch":      a publish directory whose drafter versions are hot-loaded
     TRAINER_VLLM_POLL_SECONDS=0.5      "poll_seconds": how often ``watch/current`` is read
+    TRAINER_VLLM_GRAFT_LEARN=1         "graft_learn": the graft proposer learns from this server's logits (1/0)
 
 Check a configuration without vLLM: ``python -c "from trainer.integrations.vllm.config import PluginConfig;
 print(PluginConfig.from_env())"``.
@@ -29,6 +30,7 @@ ENV = {
     "topk": "TRAINER_VLLM_TOPK",
     "watch": "TRAINER_VLLM_WATCH",
     "poll_seconds": "TRAINER_VLLM_POLL_SECONDS",
+    "graft_learn": "TRAINER_VLLM_GRAFT_LEARN",
 }
 CONFIG_ENV = "TRAINER_VLLM_CONFIG"
 
@@ -44,6 +46,7 @@ class PluginConfig:
     topk: int = MIN_TOPK
     watch: Path | None = None
     poll_seconds: float = 0.5
+    graft_learn: bool = True
 
     @property
     def enabled(self) -> bool:
@@ -96,4 +99,9 @@ class PluginConfig:
                 raise bad("poll_seconds", "is not a number") from None
             if not fields["poll_seconds"] > 0:
                 raise bad("poll_seconds", "must be positive")
+        if "graft_learn" in raw:
+            value = str(raw["graft_learn"]).strip().lower()
+            if value not in ("1", "0", "true", "false"):
+                raise bad("graft_learn", "is not one of 1/0/true/false")
+            fields["graft_learn"] = value in ("1", "true")
         return cls(**fields)

@@ -54,8 +54,9 @@ from trainer.vlog.writer import LogWriter, WriterStalled
 # hooked interfaces were read and found the same (docs/vllm.md, "vLLM releases": 0.33.0 has no CPU build to test).
 VLLM_VERSION = "0.32.0"
 SUPPORTED = (VLLM_VERSION, "0.33.0")
-# vLLM's speculative methods that draft without a model (logged with ``drafter: null``).
-DRAFTER_FREE = ("ngram", "ngram_gpu", "suffix")
+# vLLM's speculative methods that draft without a drafter directory (logged with ``drafter: null``); a
+# ``custom_class`` proposer is a class, ours the graft proposer (trainer.integrations.vllm.graft).
+DRAFTER_FREE = ("ngram", "ngram_gpu", "suffix", "custom_class")
 # The writer validates the first records and then one in this many (trainer.vlog.writer: the validator's Python
 # time on the writer thread holds the GIL vLLM's step needs); the tests validate every line the plugin writes.
 CHECK_EVERY = 16
@@ -94,7 +95,11 @@ class Plugin:
         self.checked = False
         self.step_start = 0.0
         self._premask: DeviceTop | None = None
+        # The graft proposer's top ids of this step's logits, taken before a grammar's mask (as ``_premask``).
+        self._graft_top: torch.Tensor | None = None
         self.copies = threading.BoundedSemaphore(DEFERRED_COPIES)
+        # The graft proposer when vLLM serves it (``custom_class``): it drafts from the tables this plugin feeds.
+        self.graft: Any = None
 
     # ---- failing open --------------------------------------------------------------------------------------
     def failed(self, phase: str, error: Exception) -> None:
@@ -175,11 +180,17 @@ class Plugin:
             served = self.recorder.served
             if spec is not None:
                 served.budget, served.tree = spec.num_speculative_tokens, f"vllm-{spec.method}"
-                if serves_specblock(runner.vllm_config):
+                if serves_specblock(getattr(runner, "vllm_config", None)):
                     served.tree = "vllm-specblock"
                 served.drafter = None if spec.method in DRAFTER_FREE else spec.model
                 served.version = None if served.drafter is None else 0
                 self.recorder.drafted_version = served.version
+                from trainer.integrations.vllm.graft import GraftProposer
+
+                if isinstance(getattr(runner, "drafter", None), GraftProposer):
+                    self.graft = runner.drafter
+                    self.graft.attach(runner, self.failed)
+                    served.tree = "vllm-graft"
         if self.config.log_dir is not None:
             self.open_writer(startup=True)
         logger.info("trainer plugin: runner hooked: log %s (prefix %s), watch %s", self.config.log_dir,
@@ -188,7 +199,13 @@ class Plugin:
     def load_model(self, original: Callable, worker: Any, *args: Any, **kwargs: Any) -> Any:
         """The worker's ``load_model`` (the CPU runner overrides the runner's own, the worker's is common)."""
         result = original(worker, *args, **kwargs)
-        if self.reloader is not None:
+        if self.graft is not None:
+            # The watch holds the graft daemon's adjacency versions, not drafters.
+            self.reloader = None
+            if self.config.watch is not None:
+                self.graft.start_watch(self.config.watch, self.config.poll_seconds)
+                logger.info("trainer plugin: graft proposer watching %s for adjacency versions", self.config.watch)
+        elif self.reloader is not None:
             self.reloader.attach(worker.model_runner)
             logger.info("trainer plugin: watching %s for drafter versions (the one vLLM loaded is version 0)",
                         self.config.watch)  # fmt: skip
@@ -202,7 +219,7 @@ class Plugin:
     def execute_model(self, original: Callable, runner: Any, *args: Any, **kwargs: Any) -> Any:
         with self.guard("step"):
             self.fired.add("execute_model")
-            self._premask = None
+            self._premask = self._graft_top = None
             if self.reloader is not None and (version := self.reloader.apply()) is not None:
                 self.recorder.served.version = version
             self.figures.flush()
@@ -216,16 +233,25 @@ class Plugin:
             if self.config.log_dir is not None:
                 self.fired.add("grammar_bitmask")
                 self._premask = DeviceTop(logits, self.config.topk, self.copies)
+        with self.guard("graft"):
+            if self.graft is not None:
+                self._graft_top = self.graft.top_ids(logits)
         return original(scheduler_output, grammar_output, input_batch, logits, *args, **kwargs)
 
     def sample(self, original: Callable, runner: Any, logits: torch.Tensor | None, metadata: Any) -> Any:
-        if logits is None or self.config.log_dir is None:
+        if logits is None or (self.config.log_dir is None and self.graft is None):
             return original(runner, logits, metadata)
         top = None
         with self.guard("topk"):
             verify_ms = 1000 * (time.perf_counter() - self.step_start)
-            top = self._premask if self._premask is not None else DeviceTop(logits, self.config.topk, self.copies)
+            if self.config.log_dir is not None:
+                top = self._premask if self._premask is not None else DeviceTop(logits, self.config.topk, self.copies)
             self._premask = None
+        with self.guard("graft"):
+            if self.graft is not None:
+                graft_top = self._graft_top if self._graft_top is not None else self.graft.top_ids(logits)
+                self._graft_top = None
+                self.graft.observe(runner, graft_top, metadata)
         output = original(runner, logits, metadata)
         if top is not None:
             with self.guard("log"):
@@ -269,13 +295,21 @@ class Plugin:
         logger.info("trainer plugin: self-check passed: the first verification step ran through hooks %s",
                     sorted(self.fired))  # fmt: skip
 
-    def propose(self, original: Callable, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    def propose(self, original: Callable, runner: Any, scheduler_output: Any = None, sampled: Any = None,
+                metadata: Any = None, hidden_states: torch.Tensor | None = None, *args: Any,
+                **kwargs: Any) -> Any:  # fmt: skip
+        """``propose_draft_token_ids`` (vLLM passes its arguments by position: the scheduler output, the sampled
+        tokens, the sampling metadata, every scheduled token's hidden states, ...)."""
+        if self.graft is not None and hidden_states is not None:
+            with self.guard("graft"):
+                self.graft.learn_prompts(runner, scheduler_output, hidden_states)
         begin = time.perf_counter()
-        drafts = original(runner, *args, **kwargs)
+        drafts = original(runner, scheduler_output, sampled, metadata, hidden_states, *args, **kwargs)
         with self.guard("propose"):
             self.fired.add("propose")
             self.recorder.draft_ms = 1000 * (time.perf_counter() - begin)
             self.recorder.drafted_version = self.recorder.served.version
+            self.recorder.drafted_adjacency = None if self.graft is None else self.graft.version
         return drafts
 
     # ---- finished requests ---------------------------------------------------------------------------------
@@ -292,6 +326,10 @@ class Plugin:
         return result
 
     def update_states(self, original: Callable, runner: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        with self.guard("graft"):
+            if self.graft is not None:
+                for req_id in scheduler_output.finished_req_ids:
+                    self.graft.forget(req_id)
         with self.guard("finish"):
             if self.config.log_dir is not None and not self.scheduler_here:
                 for req_id in scheduler_output.finished_req_ids:

@@ -81,8 +81,22 @@ def reduce_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     rows. Shape: (R, V) → (R, k) each."""
     with torch.no_grad():
         ids, values = top_rows(logits, k)
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            # numpy's exp and sum are vectorised passes, ~1.5x torch's on the CPU (measured at 32 x 8192: 0.28
+            # against 0.43 ms); the row maximum is the top-k's column 0.
+            rows, high = logits.numpy(), values[:, :1].numpy()
+            chunks = range(0, len(rows), ROW_CHUNK)
+            lse = np.concatenate([_host_logsumexp(rows[i : i + ROW_CHUNK], high[i : i + ROW_CHUNK]) for i in chunks])
+            return ids, values - torch.from_numpy(lse)
         lse = torch.cat([torch.logsumexp(rows.float(), -1, keepdim=True) for rows in logits.split(ROW_CHUNK)])
         return ids, values.float() - lse
+
+
+def _host_logsumexp(rows: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """log Σ exp of every row, given its maximum ``high``. Shape: (R, V), (R, 1) → (R, 1)."""
+    shifted = np.subtract(rows, high)
+    np.exp(shifted, out=shifted)
+    return high + np.log(shifted.sum(-1, keepdims=True))
 
 
 def shareable_of(value: object) -> bool:
@@ -152,6 +166,39 @@ class Served:
 
 
 @dataclass
+class Verified:
+    """One request of the batch that verified a chain this step: its batch row, its first logit row (the root's;
+    draft j's is ``first_row + j + 1``), the root's position and token, and the drafts."""
+
+    batch_index: int
+    request: str
+    first_row: int
+    pos: int
+    root: int
+    drafts: np.ndarray
+
+
+def verified_rows(runner: Any, metadata: Any) -> list[Verified]:
+    """The requests of the runner's batch that verify this step, in batch order (a prefill chunk or a recompute
+    does not: the root is the last committed token). ``metadata``: vLLM's spec-decode metadata, None when nothing
+    was drafted."""
+    req_ids = runner.input_batch.req_ids
+    drafts = [0] * len(req_ids) if metadata is None else metadata.num_draft_tokens
+    draft_ids = np.zeros(0, np.int64) if metadata is None else metadata.draft_token_ids.cpu().numpy()
+    out = []
+    row = first_draft = 0
+    for b, req_id in enumerate(req_ids):
+        n = drafts[b]
+        state = runner.requests[req_id]
+        pos = state.num_computed_tokens
+        if state.num_prompt_tokens <= pos == state.num_tokens - 1:
+            out.append(Verified(b, req_id, row, pos, state.get_token_id(pos), draft_ids[first_draft : first_draft + n]))
+        row += n + 1
+        first_draft += n
+    return out
+
+
+@dataclass
 class StepFields:
     """The runner-side part of one request's step record; the top-k rows are added on the writer thread."""
 
@@ -173,8 +220,9 @@ class Recorder:
         self.served = Served()
         self.steps: dict[str, int] = {}
         self.identities: dict[str, tuple[str | None, bool]] = {}
-        # The version (and the milliseconds) that made the drafts this step verifies.
+        # The drafter and adjacency versions (and the milliseconds) that made the drafts this step verifies.
         self.drafted_version: int | None = None
+        self.drafted_adjacency: int | None = None
         self.draft_ms = 0.0
 
     def identity_of(self, request_id: str, extra_args: dict[str, Any] | None) -> tuple[str | None, bool]:
@@ -186,33 +234,24 @@ class Recorder:
         """The step records of every request of the batch that verified this step (prefill chunks are not
         steps). ``sampled`` (B, max N + 1) committed tokens, -1 padded; ``metadata`` vLLM's spec-decode metadata
         (None when nothing was drafted)."""
-        req_ids = runner.input_batch.req_ids
-        drafts = [0] * len(req_ids) if metadata is None else metadata.num_draft_tokens
-        draft_ids = np.zeros(0, np.int64) if metadata is None else metadata.draft_token_ids.cpu().numpy()
         ms = {"draft": self.draft_ms, "tree": 0.0, "verify": verify_ms}
         out = []
-        row = first_draft = 0
-        for b, req_id in enumerate(req_ids):
-            n = drafts[b]
-            state = runner.requests[req_id]
-            pos = state.num_computed_tokens
-            # A verification: the root is the last committed token (a prefill chunk or a recompute is not).
-            if state.num_prompt_tokens <= pos == state.num_tokens - 1:
-                valid = sampled[b][sampled[b] != PLACEHOLDER]
-                tenant, shareable = self.identity_of(req_id, state.sampling_params.extra_args)
-                step = self.steps.get(req_id, 0)
-                self.steps[req_id] = step + 1
-                record = dict(
-                    server=self.server, request=req_id, tenant=tenant, shareable=shareable, step=step,
-                    drafter=self.served.drafter,
-                    drafter_version=self.drafted_version if self.served.drafter is not None else None,
-                    tree=self.served.tree, budget=max(self.served.budget, n), pos=pos, root=state.get_token_id(pos),
-                    tokens=draft_ids[first_draft : first_draft + n], parents=np.arange(-1, n - 1),
-                    accepted=list(range(len(valid) - 1)), bonus=int(valid[-1]), ms=ms,
-                )  # fmt: skip
-                out.append(StepFields(b, row, record))
-            row += n + 1
-            first_draft += n
+        for row in verified_rows(runner, metadata):
+            valid = sampled[row.batch_index][sampled[row.batch_index] != PLACEHOLDER]
+            state = runner.requests[row.request]
+            tenant, shareable = self.identity_of(row.request, state.sampling_params.extra_args)
+            step = self.steps.get(row.request, 0)
+            self.steps[row.request] = step + 1
+            n = len(row.drafts)
+            drafted = self.served.drafter is not None
+            record = dict(
+                server=self.server, request=row.request, tenant=tenant, shareable=shareable, step=step,
+                drafter=self.served.drafter, drafter_version=self.drafted_version if drafted else None,
+                tree=self.served.tree, budget=max(self.served.budget, n), pos=row.pos, root=row.root,
+                tokens=row.drafts, parents=np.arange(-1, n - 1), accepted=list(range(len(valid) - 1)),
+                bonus=int(valid[-1]), ms=ms, adjacency_version=self.drafted_adjacency,
+            )  # fmt: skip
+            out.append(StepFields(row.batch_index, row.first_row, record))
         return out
 
     def request_record(self, request_id: str, params: Any, prompt_ids: list[int], output_ids: list[int]) -> dict:
