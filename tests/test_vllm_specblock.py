@@ -1,12 +1,13 @@
 """SpecBlock served by vLLM through the plugin (marker ``vllm``, vLLM's own environment): ONE engine, in a subprocess
 with the verifier log on, serves ``checkpoints/specblock_tiny``'s ``--format specblock`` export, greedy, fp32,
 chains of two blocks. Its outputs equal plain decoding, every step's drafts equal our engine's ``specblock-chain``
-step for step (so its acceptance too), it drafts with one forward per block, and a failing drafter drafts nothing
-while vLLM serves on::
+step for step (so its acceptance too), it drafts with one forward per block, a published version is hot-reloaded
+and drafts as ours does with it, and a failing drafter drafts nothing while vLLM serves on::
 
     .venv-vllm/bin/python -m pytest -m vllm -q -p no:cacheprovider tests/test_vllm_specblock.py
 """
 
+import copy
 import json
 from collections import defaultdict
 
@@ -31,9 +32,14 @@ PROMPTS, MAX_TOKENS = 4, 48
 TOKENS = 8
 
 SERVE = """
-import json, sys
+import json, os, sys, time
+from pathlib import Path
+import torch
 from vllm import LLM, SamplingParams
+from trainer.integrations.vllm import hooks
 from trainer.integrations.vllm.specblock_proposer import drafter_stats
+from trainer.drafters import load_drafter
+from trainer.snapshots import publish
 
 target, export, prompts, max_tokens, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), *map(int, sys.argv[4:])
 spec = {"method": "eagle3", "model": export, "num_speculative_tokens": tokens}
@@ -58,12 +64,27 @@ def break_drafter(worker):
     worker.model_runner.drafter.model.drafter.project_features = fail
 
 
-served = [list(r.outputs[0].token_ids) for r in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                            use_tqdm=False)]
+def outputs():
+    return [list(r.outputs[0].token_ids) for r in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                               use_tqdm=False)]
+
+
+served = outputs()
 before = counters()
+# A published version (the drafter with its fuse halved) is swapped in between steps; the prompts again.
+perturbed = load_drafter(export)
+with torch.no_grad():
+    perturbed.fuse.weight.mul_(0.5)
+version = publish(Path(os.environ["TRAINER_VLLM_WATCH"]), perturbed.save_pretrained, {"kind": "drafter"})
+reloader, deadline = hooks._installed.reloader, time.monotonic() + 120
+while reloader.version != version and version not in reloader.refused and time.monotonic() < deadline:
+    llm.generate([{"prompt_token_ids": [7, 7, 7]}], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+swapped = outputs()
+swapped_counters = counters()
 llm.collective_rpc(break_drafter)
 broken = list(llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].outputs[0].token_ids)
-print(json.dumps({"served": served, "before": before, "broken": broken, "after": counters()}))
+print(json.dumps({"served": served, "before": before, "swapped": swapped, "version": reloader.version,
+                  "swapped_counters": swapped_counters, "broken": broken, "after": counters()}))
 """
 
 
@@ -74,6 +95,14 @@ def models():
     rows = read_prompts(ROOT / DEFAULT_PROMPTS)[:PROMPTS]
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     return target, load_drafter(DRAFTER), prompts
+
+
+def perturbed(drafter):
+    """The version the engine publishes: the drafter with its fuse halved."""
+    version = copy.deepcopy(drafter)
+    with torch.no_grad():
+        version.fuse.weight.mul_(0.5)
+    return version
 
 
 def our_drafts(target, drafter, prompt: list[int]) -> list[list[int]]:
@@ -91,10 +120,11 @@ def our_drafts(target, drafter, prompt: list[int]) -> list[list[int]]:
     return drafts
 
 
-def test_specblock_served_by_vllm_drafts_our_chain(models, tmp_path):
+def test_specblock_served_by_vllm_drafts_our_chain(models, tmp_path, monkeypatch):
     target, drafter, prompts = models
     export = write_export(drafter, "specblock", tmp_path / "export", str(TINY_TARGET))
     logs = tmp_path / "logs"
+    monkeypatch.setenv("TRAINER_VLLM_WATCH", str(tmp_path / "published"))
     args = ["-c", SERVE, str(TINY_TARGET), str(export), json.dumps(prompts), str(MAX_TOKENS), str(TOKENS)]
     result = json.loads(run(args, logs).strip().splitlines()[-1])
     reference = plain(target, prompts, MAX_TOKENS)
@@ -115,15 +145,25 @@ def test_specblock_served_by_vllm_drafts_our_chain(models, tmp_path):
         by_prompt[tuple(record["prompt_ids"])].append(record)
         check_greedy_steps(steps[request], record)
         assert {s["tree"] for s in steps[request]} == {"vllm-specblock"}
+    # The version swapped in drafts the prompts again, losslessly.
+    assert result["version"] == 1 and result["swapped"] == reference
+    version = perturbed(drafter)
+    changed = False
     for prompt in prompts:
-        record = by_prompt[tuple(prompt)][0]
-        # vLLM's drafts, step for step, including those of the blocks launched from the root block's last slot.
-        assert [s["tokens"] for s in steps[record["request"]]] == our_drafts(target, drafter, prompt)
+        first, second = by_prompt[tuple(prompt)][:2]
+        # vLLM's drafts, step for step, including those of the blocks launched from the root block's last slot;
+        # after the swap, the published version's.
+        drafts = [s["tokens"] for s in steps[first["request"]]]
+        assert drafts == our_drafts(target, drafter, prompt)
+        assert {s["drafter_version"] for s in steps[second["request"]]} == {1}
+        assert [s["tokens"] for s in steps[second["request"]]] == our_drafts(target, version, prompt)
+        changed |= drafts != [s["tokens"] for s in steps[second["request"]]]
+    assert changed, "the published version drafts as the first did: the swap would go unnoticed"
 
     # The failing drafter: its request is served without drafts, the failure counted once, nothing raised.
     assert result["broken"] == reference[0]
-    after = result["after"]
-    assert after["errors"] == 1 and after["drafts"] == before["drafts"]
-    failed = by_prompt[tuple(prompts[0])][1]
+    after, swapped = result["after"], result["swapped_counters"]
+    assert (swapped["errors"], after["errors"], after["drafts"]) == (0, 1, swapped["drafts"])
+    failed = by_prompt[tuple(prompts[0])][2]
     assert failed["output_ids"] == reference[0]
     assert all(s["tokens"] == [] for s in steps[failed["request"]])

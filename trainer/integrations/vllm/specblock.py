@@ -8,8 +8,9 @@ with vLLM's model registry (lazily: nothing of the drafter is imported until a S
 routes the construction of vLLM's ``EagleProposer`` to
 :class:`trainer.integrations.vllm.specblock_proposer.SpecBlockProposer` when the draft model is a SpecBlock export;
 that proposer drafts SpecBlock's chain (one drafter forward per block of K tokens). Nothing changes for any other
-drafter. Both hooks follow private interfaces of the releases in :data:`hooks.SUPPORTED`; on any other release
-``install`` does nothing and vLLM refuses the architecture as unknown.
+drafter. Published versions hot-reload like EAGLE-3's (:func:`layout`: what they must share with the served one).
+Both hooks follow private interfaces of the releases in :data:`hooks.SUPPORTED`; on any other release ``install``
+does nothing and vLLM refuses the architecture as unknown.
 
 Serving (vLLM's own prefix cache cannot be used: a cached prefix has no target features for the drafter)::
 
@@ -39,6 +40,20 @@ MODEL_CLASS = "trainer.integrations.vllm.specblock_proposer:SpecBlockForVllm"
 EAGLE_MODULE = "vllm.v1.spec_decode.eagle"
 
 _installed = False
+
+
+def layout(drafter: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What a published SpecBlock version must share with the served one (hot reload,
+    :mod:`trainer.integrations.vllm.reload`), and its weights by the names the served drafter loads."""
+    from trainer.export.speculators import vllm_aux_layer_ids
+
+    fields = {
+        "eagle_aux_hidden_state_layer_ids": vllm_aux_layer_ids(drafter.target_layer_ids),
+        "block_size": drafter.block_size,
+        "draft_vocab_size": drafter.draft_vocab_size,
+        "alignment": drafter.alignment,
+    }
+    return fields, dict(drafter.state_dict())
 
 
 def serves_specblock(vllm_config: Any) -> bool:

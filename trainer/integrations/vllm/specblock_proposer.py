@@ -43,6 +43,10 @@ class SpecBlockForVllm(nn.Module):
     (``drafter``), its weights from the export's safetensors by their own names. vLLM never runs it as a model:
     :class:`SpecBlockProposer` drafts with ``drafter``."""
 
+    # Its parameters are plain torch tensors: hot reload copies a version in with ``load_weights``
+    # (trainer.integrations.vllm.reload), not with vLLM's layerwise reload, which rebuilds vLLM layers' kernels.
+    loads_in_place = True
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         hf_config = vllm_config.speculative_config.draft_model_config.hf_config
