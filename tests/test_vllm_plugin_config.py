@@ -11,17 +11,22 @@ from types import SimpleNamespace
 import pytest
 
 from trainer.errors import UserError
-from trainer.integrations.vllm import register
+from trainer.integrations.vllm import register, specblock, treeflash
 from trainer.integrations.vllm.config import PluginConfig
 from trainer.integrations.vllm.records import ended_output
 
 
-def test_unconfigured_the_plugin_does_nothing(monkeypatch):
+def test_unconfigured_the_plugin_only_registers_its_drafters(monkeypatch):
     for name in ("TRAINER_VLLM_CONFIG", "TRAINER_VLLM_LOG_DIR", "TRAINER_VLLM_WATCH"):
         monkeypatch.delenv(name, raising=False)
     assert not PluginConfig.from_env().enabled
     monkeypatch.delitem(sys.modules, "trainer.integrations.vllm.hooks", raising=False)
-    register()  # would import vLLM (absent here, or patch it there) if it did anything
+    # The drafters' registrations (they need vLLM, absent here) always run; nothing else does.
+    registered = []
+    monkeypatch.setattr(specblock, "install", lambda: registered.append("specblock"))
+    monkeypatch.setattr(treeflash, "install", lambda: registered.append("treeflash"))
+    register()  # would import vLLM (absent here, or patch it there) if it installed the hooks
+    assert sorted(registered) == ["specblock", "treeflash"]
     assert "trainer.integrations.vllm.hooks" not in sys.modules
 
 
