@@ -25,9 +25,10 @@ def run_smoke(script: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
-# scale.py has its own tests below; vllm_plugin.py and data_engines.py need vLLM's environment (tests/test_vllm.py
-# and tests/test_vllm_data.py run their smoke modes); closed_loop.py is run by tests/test_closed_loop.py.
-SELF_TESTED = ("scale.py", "vllm_plugin.py", "data_engines.py", "closed_loop.py")
+# scale.py has its own tests below; vllm_plugin.py, data_engines.py and vllm_methods.py need vLLM's environment
+# (tests/test_vllm.py, tests/test_vllm_data.py and tests/test_vllm_graft.py run their smoke modes); closed_loop.py is
+# run by tests/test_closed_loop.py.
+SELF_TESTED = ("scale.py", "vllm_plugin.py", "data_engines.py", "vllm_methods.py", "closed_loop.py")
 
 
 @pytest.mark.slow

@@ -180,3 +180,19 @@ def test_graft_chains_equal_our_engines_per_step(served):
         ours = [(e.tree.tokens[0].item(), e.tree.tokens[1:].tolist()) for e in events]
         theirs = [(s["root"], s["tokens"]) for s in steps[request]]
         assert len(theirs) > 3 and theirs == ours[: len(theirs)]
+
+
+def test_the_side_by_side_benchmark_runs_graft_and_its_control(tmp_path):
+    """``benchmarks/vllm_methods.py --smoke`` with plain decoding, the graft proposer beside its daemon, and the
+    frozen control: each served losslessly, the daemon's version switched in before the shift."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, str(ROOT / "benchmarks/vllm_methods.py"), "--smoke", "--out", str(tmp_path),
+               "--vllm-python", sys.executable, "--methods", "plain", "graft", "graft-frozen"]  # fmt: skip
+    run = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "methods.json").read_text())
+    assert result["graft"]["version_at_shift"] >= 1
+    assert {w["version"] for w in result["graft-frozen"]["windows"]} == {1}
+    for method in ("graft", "graft-frozen"):
+        assert result[method]["outputs"] == result["plain"]["outputs"], method
+    assert "| graft-frozen |" in (tmp_path / "methods.md").read_text()
