@@ -1,8 +1,8 @@
 """vLLM serving SpecBlock's chain beside vLLM serving EAGLE-3's chain at the same ``num_speculative_tokens``: τ
 (vLLM's own counters: accepted drafts per drafting step + 1), per-position acceptance, and drafter forwards counted
 on the drafter module itself (a forward hook): per request-step (over the requests of every proposer call) and per
-engine step (over the calls). vLLM's EAGLE-3 drafts a batch's requests together, ``num_speculative_tokens``
-forwards per engine step; the SpecBlock proposer drafts each request with its own forwards, one per block.
+engine step (over the calls). Both draft a step's requests together: vLLM's EAGLE-3 in ``num_speculative_tokens``
+forwards, the SpecBlock proposer in one forward per block of K.
 
 One in-process engine per drafter, one after the other, the shipped tiny models (fp32, greedy, eager, no async
 scheduling, no prefix caching); the drafters are exported as vLLM loads them (``specblock``, ``speculators``).

@@ -9,7 +9,7 @@ from conftest import ROOT, TINY_TARGET
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from trainer.decoding.builders import BUILDERS, DEFAULT_OPTIONS, make_session
-from trainer.decoding.drafting import SpecBlockSession
+from trainer.decoding.drafting import specblock_chains
 from trainer.decoding.engine import generate
 from trainer.decoding.events import Clock
 from trainer.drafters import load_drafter
@@ -64,23 +64,12 @@ def by_hand(target, drafter, prompt: torch.Tensor, length: int, shift: int = 0) 
             blocks.append(block)
 
 
-def test_chain_launches_each_block_from_the_last_slot(models, monkeypatch):
+def test_chain_launches_each_block_from_the_last_slot(models):
     target, drafter, prompts = models
     drafted: list[torch.Tensor] = []
-    root_block, launch = SpecBlockSession.root_block, SpecBlockSession.launch
-
-    def record_root(session, root):
-        block = root_block(session, root)
-        drafted.append(block.hidden)
-        return block
-
-    def record_launch(session, *args):
-        blocks = launch(session, *args)
-        drafted.extend(b.hidden for b in blocks)
-        return blocks
-
-    monkeypatch.setattr(SpecBlockSession, "root_block", record_root)
-    monkeypatch.setattr(SpecBlockSession, "launch", record_launch)
+    # Every drafter forward's newest block: the root block of the context forward, then each launched block
+    # (cleared before the chain is drafted).
+    hook = drafter.register_forward_hook(lambda module, args, out: drafted.append(out[0, -1]))
     for prompt in prompts:
         expected, blocks = by_hand(target, drafter, prompt, LENGTH)
         session = make_session("specblock-chain", target, drafter)
@@ -99,6 +88,47 @@ def test_chain_launches_each_block_from_the_last_slot(models, monkeypatch):
         # A block launched one position off drafts other states: the comparison above tells a wrong launch apart.
         _, shifted = by_hand(target, drafter, prompt, LENGTH, shift=1)
         assert not torch.allclose(shifted[1], blocks[1], rtol=1e-4, atol=1e-4)
+    hook.remove()
+
+
+def started(target, drafter, prompts, new_tokens: list[int]) -> tuple[list, list[int]]:
+    """Sessions that decoded ``new_tokens[b]`` tokens after ``prompts[b]`` (a context cached, the last step's
+    features pending), and their next roots."""
+    sessions, roots = [], []
+    for prompt, n in zip(prompts, new_tokens, strict=True):
+        session = make_session("specblock-chain", target, drafter)
+        roots.append(generate(target, session, BUILDERS["specblock-chain"], prompt, n, 8).tokens[-1])
+        sessions.append(session)
+    return sessions, roots
+
+
+def test_chains_of_ragged_sessions_in_one_forward_per_round_equal_each_alone(models):
+    target, drafter, prompts = models
+    new_tokens, lengths = [1, 7, 12, 4], [9, 9, 5, 0]
+    alone, roots = started(target, drafter, prompts, new_tokens)
+    batch, _ = started(target, drafter, prompts, new_tokens)
+    before = [s.forwards for s in batch]
+    outputs: list[torch.Tensor] = []
+    hook = drafter.register_forward_hook(lambda module, args, out: outputs.append(out[:, -1]))
+    with torch.inference_mode():
+        expected = []
+        for session, root, n in zip(alone, roots, lengths, strict=True):
+            outputs.clear()
+            expected.append((session.chain(root, n), list(outputs)))
+        outputs.clear()
+        drafted = specblock_chains(batch, roots, lengths)
+    hook.remove()
+    assert drafted == [tokens for tokens, _ in expected] and [len(c) for c in drafted] == lengths
+    # Each launched round's blocks, row by row, are the blocks each session launched alone.
+    for round_, batched in enumerate(outputs[1:], start=1):
+        rows = [b for b, n in enumerate(lengths) if n > round_ * drafter.block_size]
+        alone_blocks = torch.cat([expected[b][1][round_] for b in rows])
+        torch.testing.assert_close(batched, alone_blocks, rtol=1e-5, atol=1e-5)
+    # One forward enters every context and drafts the root blocks, one more per launched round.
+    assert [s.forwards - f for s, f in zip(batch, before, strict=True)] == [3, 3, 2, 1]
+    for ours, theirs in zip(batch, alone, strict=True):
+        assert ours.cache.get_seq_length() == theirs.cache.get_seq_length() == ours.entered * drafter.block_size
+        torch.testing.assert_close(ours.cache.layers[0].keys, theirs.cache.layers[0].keys, rtol=1e-4, atol=1e-4)
 
 
 def test_chain_decodes_losslessly_with_one_forward_per_block(models):

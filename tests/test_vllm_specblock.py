@@ -1,8 +1,9 @@
 """SpecBlock served by vLLM through the plugin (marker ``vllm``, vLLM's own environment): ONE engine, in a subprocess
 with the verifier log on, serves ``checkpoints/specblock_tiny``'s ``--format specblock`` export, greedy, fp32,
 chains of two blocks. Its outputs equal plain decoding, every step's drafts equal our engine's ``specblock-chain``
-step for step (so its acceptance too), it drafts with one forward per block, a published version is hot-reloaded
-and drafts as ours does with it, and a failing drafter drafts nothing while vLLM serves on::
+step for step (so its acceptance too), it drafts with one forward per block for all requests of a step, a
+published version is hot-reloaded and drafts as ours does with it, and a failing drafter drafts nothing while vLLM
+serves on::
 
     .venv-vllm/bin/python -m pytest -m vllm -q -p no:cacheprovider tests/test_vllm_specblock.py
 """
@@ -134,10 +135,12 @@ def test_specblock_served_by_vllm_drafts_our_chain(models, tmp_path, monkeypatch
     before = result["before"]
     assert (before["drafts"], before["per_position"]) == (acceptance.drafts, acceptance.per_position)
     assert acceptance.per_position[1] > 0, "no draft past depth 1 accepted: the comparison would prove little"
-    # One forward per block; every request's last step drafts a chain vLLM never verifies.
+    # One forward per block for all requests of a step; every request's last step drafts a chain vLLM never
+    # verifies.
     assert (before["errors"], before["lost"]) == (0, 0)
-    assert before["forwards"] == 2 * before["steps"]
+    assert before["forwards"] == 2 * before["calls"]
     assert before["steps"] == before["drafts"] + PROMPTS
+    assert before["calls"] < before["steps"], "every step drafted one request: the batching went untested"
 
     steps, requests = read_log(logs)
     by_prompt = defaultdict(list)

@@ -32,7 +32,7 @@ from trainer.decoding.verify import Verdict, growing_cache
 from trainer.drafters.attention import additive_mask
 from trainer.drafters.dflash import DFlashDraftModel
 from trainer.drafters.eagle3 import Eagle3DraftModel
-from trainer.drafters.specblock import SpecBlockDraftModel, launch_mask
+from trainer.drafters.specblock import SpecBlockDraftModel, context_mask, launch_mask
 from trainer.drafters.treeflash import TreeFlashDraftModel
 from trainer.errors import UserError
 from trainer.sampling import top_rows
@@ -552,30 +552,145 @@ class SpecBlockSession(ContextSession):
         ]
 
     def chain(self, root: int, length: int) -> list[int]:
-        """SpecBlock's chain: ``length`` target ids drafted after ``root`` (the chain vLLM serves, and the
-        ``specblock-chain`` builder's). The root block's greedy slots, then a block launched from the last slot of
-        the block before (that slot's state, its greedy token at its position, seeing what that slot saw), one
-        forward per block: ``max(1, ceil(length / K))`` forwards (one more under ``same`` alignment). Length 0 only
-        enters the pending context. The context stays cached, the blocks are dropped."""
-        block = self.root_block(root)
-        last = self.block_size - 1
-        tokens: list[int] = []
-        while True:
-            # Shape: (K,) target ids of the block's greedy slots.
-            greedy = self.drafter.to_target(block.logprobs.argmax(-1))
-            tokens += greedy[: length - len(tokens)].tolist()
-            if len(tokens) >= length:
-                break
-            launch = [block.position + 1 + last], [block.seen_from(last)]
-            block = self.launch(block.hidden[last:], greedy[last:], *launch)[0]
-        self.drop_tree()
-        return tokens
+        """SpecBlock's chain: ``length`` target ids drafted after ``root`` (:func:`specblock_chains` of this session
+        alone; the ``specblock-chain`` builder's)."""
+        return specblock_chains([self], [root], [length])[0]
 
     def drop_tree(self) -> None:
         """Forget the step's blocks, keep the context."""
         extra = self.cache.get_seq_length() - self.entered * self.block_size
         if extra:
             self.cache.crop(-extra)
+
+
+def specblock_chains(sessions: list[SpecBlockSession], roots: list[int], lengths: list[int]) -> list[list[int]]:
+    """SpecBlock's chain for every session (all of one drafter; the chain vLLM serves): ``lengths[b]`` target ids
+    after ``roots[b]``. The root block's greedy slots, then a block launched from the last slot of the block before
+    (that slot's state, its greedy token at that token's position, seeing the context and the chain's blocks), one
+    drafter forward per round for all sessions at once: ``max(1, ceil(max(lengths) / K))`` forwards (one more under
+    ``same`` alignment, whose root block is itself launched). A length of 0 only enters the pending context. Each
+    session's context keys stay in its cache; the chain's blocks are dropped.
+
+    Rows are ragged (cached keys ``P_b``, pending positions ``C_b``): they are padded to ``(P, C)``, left-aligned,
+    and masked so that each row sees only its own keys, as a forward of its own would."""
+    drafter = sessions[0].drafter
+    if any(s.drafter is not drafter for s in sessions):
+        raise ValueError("specblock_chains drafts sessions of one drafter per forward")
+    k, shift = drafter.block_size, drafter.token_shift
+    device, dtype = sessions[0].device, drafter.fuse.weight.dtype
+    rows = len(sessions)
+    taken = [s.take_pending() for s in sessions]
+    cached = [s.cache.get_seq_length() for s in sessions]
+    counts = [end - start for start, end, _ in taken]
+    p, c = max(cached), max(counts)
+    # Shapes: (B, C, n*H) pending features, (B, C) tokens, positions and 1 on real (not padding) positions.
+    features = torch.zeros(rows, c, drafter.condition_proj.in_features, dtype=dtype, device=device)
+    tokens = torch.zeros(rows, c, dtype=torch.long, device=device)
+    positions = torch.zeros(rows, c, dtype=torch.long, device=device)
+    real = torch.zeros(rows, c, dtype=torch.long, device=device)
+    for b, (session, (start, end, pending), root) in enumerate(zip(sessions, taken, roots, strict=True)):
+        # The token of context position i is x_{i+shift}; under `next` the newest one's is the root.
+        ids = [*session.tokens, root][start + shift : end + shift]
+        features[b, : end - start] = pending[0].to(dtype)
+        tokens[b, : end - start] = torch.tensor(ids, device=device)
+        positions[b, : end - start] = torch.arange(start + shift, end + shift, device=device)
+        real[b, : end - start] = 1
+    # Shape: (B, 1, C·K, P + C·K): a row's own cached keys, then the context rule over its own positions.
+    own_keys = torch.arange(p, device=device) < torch.tensor(cached, device=device)[:, None]
+    mask = torch.cat([own_keys[:, None].expand(rows, c * k, p), context_mask(real, k)], dim=-1)[:, None]
+    cache = _padded_cache(sessions, p)
+    condition = drafter.project_features(features)
+    hidden = drafter(condition, sessions[0].embed(tokens).to(dtype), positions, mask, cache)
+    for b, session in enumerate(sessions):
+        for layer, batch_layer in enumerate(cache.layers):
+            new = slice(p, p + counts[b] * k)
+            session.cache.update(batch_layer.keys[b : b + 1, :, new], batch_layer.values[b : b + 1, :, new], layer)
+        session.forwards += 1
+    last = torch.tensor(counts, device=device) - 1
+    every = torch.arange(rows, device=device)
+    active = [b for b in range(rows) if lengths[b] > 0]
+    chains: list[list[int]] = [[] for _ in range(rows)]
+    if not active:
+        return chains
+    # The context keys the chain's launched blocks see: every slot (`next`), or, under `same`, the earlier
+    # positions' and the last position's slot 0 (which predicted the root).
+    launch = _ChainLaunch(sessions, [end * k if shift else (end - 1) * k + 1 for _, end, _ in taken])
+    # Shapes: (A, K, H) the active rows' blocks, (A,) the positions of their tokens. Under `next` the newest context
+    # block is the root block; under `same` the root block is launched from its slot 0 with the root.
+    newest, position = hidden[every, last][active], positions[every, last][active]
+    if shift:
+        blocks = newest
+    else:
+        position = position + 1
+        blocks = launch(active, newest[:, 0], torch.tensor(roots, device=device)[active], position)
+    head = sessions[0].head
+    while True:
+        # Shape: (A, K) target ids of the active rows' blocks' greedy slots.
+        greedy = drafter.to_target(drafter.logits(drafter.norm(blocks), head).float().log_softmax(-1).argmax(-1))
+        for row, b in enumerate(active):
+            chains[b] += greedy[row, : lengths[b] - len(chains[b])].tolist()
+        going = [row for row, b in enumerate(active) if len(chains[b]) < lengths[b]]
+        if not going:
+            break
+        # A block launched from the last slot starts at that slot's token, K positions after its block's token.
+        active, position = [active[row] for row in going], position[going] + k
+        blocks = launch(active, blocks[going, -1], greedy[going, -1], position)
+    return chains
+
+
+class _ChainLaunch:
+    """The launched blocks of :func:`specblock_chains`, one forward per round over the rows still drafting: a
+    cache of every row's context keys (padded to ``P``) and the chain's blocks so far, each row seeing its own."""
+
+    def __init__(self, sessions: list[SpecBlockSession], context: list[int]) -> None:
+        self.sessions = sessions
+        self.context = context
+        self.rounds = 0
+        self.rows: list[int] = list(range(len(sessions)))
+        self.cache: DynamicCache | None = None
+
+    def __call__(self, rows: list[int], conditions: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+                 ) -> torch.Tensor:  # fmt: skip
+        """One block per row of ``rows`` (Shapes: conditions (A, H), tokens (A,), positions (A,)); their pre-norm
+        slot states. Shape: (A, K, H)"""
+        first = self.sessions[0]
+        drafter, k = first.drafter, first.block_size
+        if self.cache is None:
+            self.cache = _padded_cache(self.sessions, max(s.cache.get_seq_length() for s in self.sessions))
+        if rows != self.rows:
+            keep = torch.tensor([self.rows.index(b) for b in rows], device=first.device)
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+            self.rows = rows
+        cached = self.cache.get_seq_length()
+        p = cached - self.rounds * k
+        # Shape: (A, 1, cached) the row's context keys and every earlier block of its chain.
+        seen = torch.zeros(len(rows), 1, cached, dtype=torch.bool, device=first.device)
+        for row, b in enumerate(rows):
+            seen[row, 0, : self.context[b]] = True
+        seen[:, 0, p:] = True
+        dtype = drafter.fuse.weight.dtype
+        hidden = drafter(conditions[:, None].to(dtype), first.embed(tokens)[:, None].to(dtype), positions[:, None],
+                         launch_mask(seen, k), self.cache)  # fmt: skip
+        for b in rows:
+            self.sessions[b].forwards += 1
+        self.rounds += 1
+        return hidden[:, 0]
+
+
+def _padded_cache(sessions: list[SpecBlockSession], length: int) -> DynamicCache:
+    """The sessions' cached keys and values as one batch, each zero-padded to ``length`` positions."""
+    cache = DynamicCache(config=sessions[0].drafter.config)
+    if length:
+        for layer in range(len(cache.layers)):
+            own = [s.cache.layers[layer] for s in sessions]
+            like = next(o.keys for o in own if o.is_initialized)
+            keys, values = (
+                torch.cat([_padded(getattr(o, kind) if o.is_initialized else like[:, :, :0], length) for o in own])
+                for kind in ("keys", "values")
+            )
+            cache.update(keys, values, layer)
+    return cache
 
 
 def uses_drafter(kind: type[DraftSession]) -> bool:

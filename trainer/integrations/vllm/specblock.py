@@ -7,10 +7,10 @@ target features SpecBlock reads as EAGLE-3's auxiliary hidden states. :func:`ins
 with vLLM's model registry (lazily: nothing of the drafter is imported until a SpecBlock export is served) and
 routes the construction of vLLM's ``EagleProposer`` to
 :class:`trainer.integrations.vllm.specblock_proposer.SpecBlockProposer` when the draft model is a SpecBlock export;
-that proposer drafts SpecBlock's chain (one drafter forward per block of K tokens). Nothing changes for any other
-drafter. Published versions hot-reload like EAGLE-3's (:func:`layout`: what they must share with the served one).
-Both hooks follow private interfaces of the releases in :data:`hooks.SUPPORTED`; on any other release ``install``
-does nothing and vLLM refuses the architecture as unknown.
+that proposer drafts SpecBlock's chain (one drafter forward per block of K tokens, for all requests of a step at
+once). Nothing changes for any other drafter. Published versions hot-reload like EAGLE-3's (:func:`layout`: what
+they must share with the served one). Both hooks follow private interfaces of the releases in
+:data:`hooks.SUPPORTED`; on any other release ``install`` does nothing and vLLM refuses the architecture as unknown.
 
 Serving (vLLM's own prefix cache cannot be used: a cached prefix has no target features for the drafter)::
 

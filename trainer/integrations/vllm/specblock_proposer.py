@@ -8,15 +8,16 @@ SpecBlock's context holds K keys per position, which no vLLM attention backend o
 own cache per request: :class:`SpecBlockProposer` holds one :class:`~trainer.decoding.drafting.SpecBlockSession`
 per request id (row ``i`` of the batch is ``runner.input_batch.req_ids[i]``), fed each step with the tokens vLLM
 committed and their target features (the EAGLE-3 auxiliary hidden states vLLM captured at the export's
-``eagle_aux_hidden_state_layer_ids``), and drafts with :meth:`SpecBlockSession.chain`, the chain our engine's
-``specblock-chain`` builder drafts: one drafter forward per block of K tokens. A session is dropped when its
-request leaves the runner. Failing open: a drafter error drafts nothing for that request from then on (its context
-is lost), counted and logged once; it never raises into vLLM. Start-up refusals (prefix caching, M-RoPE, layer ids
-that do not match the drafter) raise before vLLM serves.
+``eagle_aux_hidden_state_layer_ids``), and drafts every request's chain at once with
+:func:`~trainer.decoding.drafting.specblock_chains`, the chain our engine's ``specblock-chain`` builder drafts: one
+drafter forward per block of K tokens for the whole batch (the first also enters the step's context). A session is
+dropped when its request leaves the runner. Failing open: a drafter error drafts nothing for the requests it
+touched from then on (their context is lost), counted and logged once; it never raises into vLLM. Start-up refusals
+(prefix caching, M-RoPE, layer ids that do not match the drafter) raise before vLLM serves.
 
 Drafting statistics of a running engine, in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or not::
 
-    llm.collective_rpc(drafter_stats)   # [{"steps": ..., "forwards": ..., "errors": ..., "lost": ...}]
+    llm.collective_rpc(drafter_stats)   # [{"steps": ..., "calls": ..., "forwards": ..., "errors": ..., ...}]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.v1.spec_decode.eagle import EagleProposer
 
-from trainer.decoding.drafting import SpecBlockSession
+from trainer.decoding.drafting import SpecBlockSession, specblock_chains
 from trainer.drafters.specblock import SpecBlockDraftModel
 from trainer.export.speculators import vllm_aux_layer_ids
 from trainer.integrations.vllm.config import PluginError
@@ -93,9 +94,11 @@ class SpecBlockProposer(EagleProposer):
         # Requests served without drafts until they end: their context never fully reached the drafter.
         self.undrafted: set[str] = set()
         self.target: _TargetOutputs | None = None
-        # Request-steps drafted, their drafter forwards (not those that only enter a prefill chunk), failed
-        # drafting steps, and requests whose context steps vLLM ran without the proposer.
+        # Request-steps drafted, proposer calls that drafted and their drafter forwards (a call only entering
+        # prefill chunks drafts nothing), failed drafting steps, and requests whose context steps vLLM ran without
+        # the proposer.
         self.steps = 0
+        self.calls = 0
         self.forwards = 0
         self.errors = 0
         self.lost = 0
@@ -173,15 +176,34 @@ class SpecBlockProposer(EagleProposer):
         except Exception as e:  # failing open: any request with a session may have missed this step's tokens
             self._failed(e, list(self.sessions))
             return [[] for _ in range(rows)]
-        drafts = []
+        drafts: list[list[int]] = [[] for _ in range(rows)]
+        fed: list[tuple[int, SpecBlockSession]] = []
         for i, req_id in enumerate(req_ids):
             valid = slice(starts[i], starts[i + 1] - rejected[i])
             try:
-                drafts.append(self._draft(req_id, tokens[valid], target_hidden_states[valid], positions[valid.start],
-                                          roots[i], 0 if discarded[i] else num_speculative_tokens))  # fmt: skip
+                session = self._feed(req_id, tokens[valid], target_hidden_states[valid], positions[valid.start])
             except Exception as e:  # failing open: this request drafts nothing from now on
                 self._failed(e, [req_id])
-                drafts.append([])
+                continue
+            if session is not None:
+                fed.append((i, session))
+        if not fed:
+            return drafts
+        sessions = [session for _, session in fed]
+        lengths = [0 if discarded[i] else num_speculative_tokens for i, _ in fed]
+        before = [session.forwards for session in sessions]
+        try:
+            chains = specblock_chains(sessions, [roots[i] for i, _ in fed], lengths)
+        except Exception as e:  # failing open: these requests' sessions may have taken part of the step
+            self._failed(e, [req_ids[i] for i, _ in fed])
+            return drafts
+        for (i, _), chain in zip(fed, chains, strict=True):
+            drafts[i] = chain
+        if any(lengths):
+            self.calls += 1
+            self.steps += sum(map(bool, lengths))
+            # The longest chain takes part in every forward of the call.
+            self.forwards += max(s.forwards - f for s, f in zip(sessions, before, strict=True))
         return drafts
 
     def _failed(self, error: Exception, req_ids: list[str]) -> None:
@@ -194,11 +216,11 @@ class SpecBlockProposer(EagleProposer):
         self._report("draft", f"drafting failed ({type(error).__name__}: {error}); requests {req_ids[:4]} and any "
                      "other whose drafting fails are served without drafts")  # fmt: skip
 
-    def _draft(self, req_id: str, tokens: list[int], features: torch.Tensor, first: int, root: int, length: int
-               ) -> list[int]:  # fmt: skip
-        """Feed one request's committed tokens (at positions ``first``..) and features, then draft its chain."""
+    def _feed(self, req_id: str, tokens: list[int], features: torch.Tensor, first: int) -> SpecBlockSession | None:
+        """Hand one request's committed tokens (at positions ``first``..) and features to its session; None when the
+        request is served without drafts."""
         if req_id in self.undrafted:
-            return []
+            return None
         session = self.sessions.get(req_id)
         if session is None or first != len(session.tokens):
             self.sessions.pop(req_id, None)
@@ -209,17 +231,12 @@ class SpecBlockProposer(EagleProposer):
                 self.undrafted.add(req_id)
                 self._report("context", f"request {req_id}'s context before position {first} never reached the "
                              "drafter; it (and any other such request) is served without drafts")  # fmt: skip
-                return []
+                return None
             assert self.target is not None
             session = self.sessions[req_id] = SpecBlockSession(self.model.drafter, self.target)
         # SpecBlockSession.commit reads the committed tokens and their features only.
         session.commit(tokens, features, None, None)
-        before = session.forwards
-        drafted = session.chain(root, length)
-        if length:
-            self.steps += 1
-            self.forwards += session.forwards - before
-        return drafted
+        return session
 
     def _report(self, kind: str, message: str) -> None:
         if kind not in self._reported:
@@ -227,8 +244,10 @@ class SpecBlockProposer(EagleProposer):
             logger.error("trainer plugin: SpecBlock: %s", message)
 
     def stats(self) -> dict[str, int]:
-        """Request-steps drafted, their drafter forwards, failed drafting steps, requests whose context was lost."""
-        return {"steps": self.steps, "forwards": self.forwards, "errors": self.errors, "lost": self.lost}
+        """Request-steps drafted, proposer calls that drafted and their drafter forwards (each over the call's
+        requests), failed drafting steps, requests whose context was lost."""
+        return {"steps": self.steps, "calls": self.calls, "forwards": self.forwards, "errors": self.errors,
+                "lost": self.lost}  # fmt: skip
 
 
 def drafter_stats(worker: Any) -> dict[str, int] | None:
