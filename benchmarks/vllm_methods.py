@@ -21,7 +21,8 @@ every step):
   learning nothing.
 
 Reported per method: τ per window (vLLM's own counters: accepted drafts per drafting step + 1), drafter forwards
-where the proposer counts them, wall time as a ratio to the first plain run, and whether every output equals plain
+per engine step that drafts (a forward hook on the drafter module over the proposer's calls; every call drafts
+all the step's requests at once), wall time as a ratio to the first plain run, and whether every output equals plain
 decoding's. Writes ``OUT/methods.md`` and ``OUT/methods.json``. In the main environment, with vLLM's at
 ``.venv-vllm`` (``.ci/vllm_env``); about 15 minutes on 2 cores::
 
@@ -69,6 +70,7 @@ METHODS = ("plain", "ngram", "suffix", *DRAFTERS, "graft", "graft-frozen", "plai
 # use is reported (waiting for the daemon's first one) and, when ``freeze``, learning stops.
 CHILD = """
 import json, sys, time
+import torch
 from vllm import LLM, SamplingParams
 from trainer.snapshots import read_current
 cfg = json.loads(sys.argv[1])
@@ -86,9 +88,30 @@ def counters():
     names = ("drafts", "draft_tokens", "accepted_tokens")
     return [int(getattr(found.get(f"vllm:spec_decode_num_{n}"), "value", 0) or 0) for n in names]
 
+def count_drafting(worker):
+    # The drafter module's forwards (SpecBlock's proposer holds our drafter as ``model.drafter``) and the proposer's
+    # calls (one per engine step that drafts).
+    drafter = worker.model_runner.drafter
+    model = getattr(drafter, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        return False
+    drafter.bench = {"forwards": 0, "calls": 0}
+    getattr(model, "drafter", model).register_forward_hook(lambda *a: drafter.bench.__setitem__(
+        "forwards", drafter.bench["forwards"] + 1))
+    propose = drafter.propose
+    def counted(*args, **kwargs):
+        drafter.bench["calls"] += 1
+        return propose(*args, **kwargs)
+    drafter.propose = counted
+    return True
+
+counting = cfg["spec"] is not None and llm.collective_rpc(count_drafting)[0]
+
 def drafter_forwards():
-    drafter = getattr(llm.llm_engine.model_executor.driver_worker.worker.model_runner, "drafter", None)
-    return getattr(drafter, "forwards", None)
+    if not counting:
+        return None
+    bench = llm.collective_rpc(lambda worker: worker.model_runner.drafter.bench)[0]
+    return bench["forwards"], bench["calls"]
 
 out = {"windows": [], "outputs": [], "version_at_shift": None}
 for i, window in enumerate(cfg["windows"]):
@@ -112,8 +135,10 @@ for i, window in enumerate(cfg["windows"]):
     seconds = time.perf_counter() - start
     after, forwards_after = counters(), drafter_forwards()
     drafts, draft_tokens, accepted = (a - b for a, b in zip(after, before))
+    counted = forwards is not None
     out["windows"].append({"seconds": seconds, "drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted,
-                           "forwards": None if forwards is None else forwards_after - forwards,
+                           "forwards": forwards_after[0] - forwards[0] if counted else None,
+                           "proposer_calls": forwards_after[1] - forwards[1] if counted else None,
                            "version": None if graft is None else graft.version})
     out["outputs"] += [list(r.outputs[0].token_ids) for r in results]
 out["errors"] = {} if plugin is None else dict(plugin.errors)
@@ -167,16 +192,17 @@ def report(results: dict[str, dict], domains: list[str], shift: int, out: Path, 
     plain = results["plain"]
     base = sum(w["seconds"] for w in plain["windows"])
     columns = [f"w{i} {d}" for i, d in enumerate(domains)]
-    header = f"| method | {' | '.join(columns)} | τ after shift | wall / plain | forwards / step | lossless |"
+    tail = "τ after shift | wall / plain | drafter forwards / engine step | lossless"
+    header = f"| method | {' | '.join(columns)} | {tail} |"
     lines = [f"Command: `{command}`", "", header, "|---" * (len(domains) + 5) + "|"]
     for method, result in results.items():
         windows = result["windows"]
         after = windows[shift:]
         drafts = sum(w["drafts"] for w in after)
         after_tau = 1.0 + sum(w["accepted"] for w in after) / drafts if drafts else 1.0
-        forwards = [w["forwards"] for w in windows if w["forwards"] is not None]
-        steps = sum(w["drafts"] for w in windows)
-        per_step = f"{sum(forwards) / steps:.2f}" if forwards and steps else "–"
+        counted = [w for w in windows if w["forwards"] is not None]
+        calls = sum(w["proposer_calls"] for w in counted)
+        per_step = f"{sum(w['forwards'] for w in counted) / calls:.2f}" if counted and calls else "–"
         wall = sum(w["seconds"] for w in windows) / base
         lossless = "yes" if result["outputs"] == plain["outputs"] else "NO"
         cells = " | ".join(f"{tau(w):.2f}" for w in windows)
@@ -192,7 +218,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, nargs=3, default=(2, 4, 2), metavar=("STDLIB", "FOREIGN", "AGAIN"))
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--depth", type=int, default=8, help="tokens drafted by ngram, suffix and graft")
-    parser.add_argument("--drafter-depth", type=int, default=None, help="EAGLE-3's and SpecBlock's chain")
+    parser.add_argument("--drafter-depth", type=int, default=8, help="EAGLE-3's and SpecBlock's chain")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--smoke", action="store_true", help="one request per window, 8 tokens, windows 1 1 1")
     args = parser.parse_args()
@@ -219,7 +245,7 @@ def main() -> None:
     for method in args.methods:
         cfg = {"target": str(TARGET), "windows": windows, "shift": stdlib, "max_tokens": args.max_tokens,
                "max_model_len": max_model_len, "fresh": method == "graft",
-               "spec": speculative(method, out, args.depth, args.drafter_depth or 3)}  # fmt: skip
+               "spec": speculative(method, out, args.depth, args.drafter_depth)}  # fmt: skip
         env: dict[str, str] = {}
         daemon = None
         logs = out / "logs" / method
