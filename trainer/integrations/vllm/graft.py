@@ -111,8 +111,10 @@ class GraftProposer:
         """Called by vLLM's CPU runner with the target once the runner is built: the proposer has no model of its
         own, and without the plugin's runner hook it could not tell requests apart."""
         if self.runner is None:
-            raise PluginError("the graft proposer was not attached to vLLM's runner: the trainer plugin's hooks "
-                              "are not installed in this process (is trainer installed in vLLM's environment?)")  # fmt: skip
+            raise PluginError(
+                "the graft proposer was not attached to vLLM's runner: the trainer plugin's hooks are not installed "
+                "in this process (is trainer installed in vLLM's environment?)"
+            )
 
     def attach(self, runner: Any, on_error: Callable[[str, Exception], None]) -> None:
         """The plugin's runner hook: the runner whose batch rows the proposer drafts for, and where its errors are

@@ -48,6 +48,7 @@ from trainer.integrations.vllm.config import PluginConfig, PluginError
 from trainer.integrations.vllm.metrics import PluginFigures, figures_dir
 from trainer.integrations.vllm.records import PLACEHOLDER, DeviceTop, Recorder, StepFields, ended_output, trimmed
 from trainer.integrations.vllm.specblock import serves_specblock
+from trainer.integrations.vllm.treeflash import serves_treeflash
 from trainer.vlog.writer import LogWriter, WriterStalled
 
 # The vLLM release whose private interfaces these hooks follow (the one the tests run), and the releases whose
@@ -182,6 +183,8 @@ class Plugin:
                 served.budget, served.tree = spec.num_speculative_tokens, f"vllm-{spec.method}"
                 if serves_specblock(getattr(runner, "vllm_config", None)):
                     served.tree = "vllm-specblock"
+                elif serves_treeflash(getattr(runner, "vllm_config", None)):
+                    served.tree = "vllm-treeflash"
                 served.drafter = None if spec.method in DRAFTER_FREE else spec.model
                 served.version = None if served.drafter is None else 0
                 self.recorder.drafted_version = served.version

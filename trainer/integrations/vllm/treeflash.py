@@ -30,6 +30,7 @@ is its backbone and drafts DFlash's chain. The vLLM plugin's :func:`trainer.inte
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 # The vLLM release whose DFlash drafter, proposer and runner this module subclasses and routes (read in its source).
 RELEASES = ("0.32.0",)
@@ -39,6 +40,15 @@ ARCHITECTURES = ("TreeFlashDraftModel", "DFlashTreeFlashDraftModel")
 logger = logging.getLogger("trainer.integrations.vllm")
 
 _installed: bool | None = None
+
+
+def serves_treeflash(vllm_config: Any) -> bool:
+    """Whether ``vllm_config`` speculates with a TreeFlash export (method ``dflash``, draft architecture ours)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    if spec is None or draft is None or spec.method != "dflash":
+        return False
+    return bool(set(getattr(draft, "architectures", None) or ()) & set(ARCHITECTURES))
 
 
 def install() -> bool:
