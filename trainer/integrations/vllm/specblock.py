@@ -10,7 +10,7 @@ routes the construction of vLLM's ``EagleProposer`` to
 that proposer drafts SpecBlock's chain (one drafter forward per block of K tokens, for all requests of a step at
 once). Nothing changes for any other drafter. Published versions hot-reload like EAGLE-3's (:func:`layout`: what
 they must share with the served one). Both hooks follow private interfaces of the releases in
-:data:`hooks.SUPPORTED`; on any other release ``install`` does nothing and vLLM refuses the architecture as unknown.
+:data:`RELEASES`; on any other release ``install`` does nothing and vLLM refuses the architecture as unknown.
 
 Serving (vLLM's own prefix cache cannot be used: a cached prefix has no target features for the drafter)::
 
@@ -32,6 +32,8 @@ from typing import Any
 
 logger = logging.getLogger("trainer.integrations.vllm")
 
+# The vLLM release whose EAGLE proposer and runner this module subclasses and routes (read in its source).
+RELEASES = ("0.32.0",)
 ARCHITECTURE = "SpecBlockDraftModel"
 # The export's architecture, and the name vLLM's EAGLE-3 config gives it (EAGLEConfig prefixes "Eagle3").
 SERVED_ARCHITECTURES = (ARCHITECTURE, f"Eagle3{ARCHITECTURE}")
@@ -126,11 +128,9 @@ def install() -> bool:
     import vllm
     from vllm import ModelRegistry
 
-    from trainer.integrations.vllm.hooks import SUPPORTED
-
-    if vllm.__version__ not in SUPPORTED:
+    if vllm.__version__ not in RELEASES:
         logger.warning("trainer plugin: SpecBlock drafters are not served by vLLM %s (read: %s)", vllm.__version__,
-                       ", ".join(SUPPORTED))  # fmt: skip
+                       ", ".join(RELEASES))  # fmt: skip
         return False
     for name in SERVED_ARCHITECTURES:
         ModelRegistry.register_model(name, MODEL_CLASS)
