@@ -143,6 +143,7 @@ def test_versions_switch_between_steps_tenants_get_their_delta_and_a_bad_version
     graft.propose([[3]], [3], tokens)
     assert graft.version == 3 and int(graft.shared.adjacency[3, 0]) == 21 and int(graft.shared.adjacency[5, 0]) == 6
     assert graft.tenants["acme"].version == 3
+    assert plugin.figures.values["adjacency_version"] == 3, "vLLM's /metrics shows the version in use"
 
 
 def test_a_failing_proposer_drafts_nothing_and_is_counted(tmp_path, monkeypatch):

@@ -46,6 +46,7 @@ from trainer.decoding.builders import chain_template
 from trainer.decoding.drafting import RecyclingSession, check_adjacency
 from trainer.decoding.tree import retrieval
 from trainer.integrations.vllm.config import PluginConfig, PluginError
+from trainer.integrations.vllm.metrics import PluginFigures
 from trainer.integrations.vllm.records import identity, verified_rows
 from trainer.sampling import top_rows
 from trainer.snapshots import load_adjacency, read_current, snapshot_kind
@@ -90,6 +91,7 @@ class GraftProposer:
         self.tenants: OrderedDict[str, RecyclingSession] = OrderedDict()
         self.identities: dict[str, tuple[str | None, bool]] = {}
         self.runner: Any = None
+        self.figures: PluginFigures | None = None
         # The published version in use (None: none loaded), and the versions refused.
         self.version: int | None = None
         self.refused: set[int] = set()
@@ -116,10 +118,10 @@ class GraftProposer:
                 "in this process (is trainer installed in vLLM's environment?)"
             )
 
-    def attach(self, runner: Any, on_error: Callable[[str, Exception], None]) -> None:
-        """The plugin's runner hook: the runner whose batch rows the proposer drafts for, and where its errors are
-        counted."""
-        self.runner, self.on_error = runner, on_error
+    def attach(self, runner: Any, on_error: Callable[[str, Exception], None], figures: PluginFigures) -> None:
+        """The plugin's runner hook: the runner whose batch rows the proposer drafts for, where its errors are
+        counted, and the figures that show the version in use on vLLM's ``/metrics``."""
+        self.runner, self.on_error, self.figures = runner, on_error, figures
 
     # ---- published versions -----------------------------------------------------------------------------------
     def start_watch(self, watch: Path, poll_seconds: float) -> None:
@@ -183,6 +185,7 @@ class GraftProposer:
         if prepared.version != self.version:
             self.shared.set_adjacency(prepared.tables[None], prepared.version)
             self.version, self._published = prepared.version, prepared.tables[None]
+            self.figures.set("adjacency_version", prepared.version)
             logger.info("trainer plugin: graft serves adjacency version %d (%s)", prepared.version, prepared.directory)
         for tenant, table in prepared.tables.items():
             if tenant is not None and tenant in self.tenants:

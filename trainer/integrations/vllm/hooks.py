@@ -192,7 +192,7 @@ class Plugin:
 
                 if isinstance(getattr(runner, "drafter", None), GraftProposer):
                     self.graft = runner.drafter
-                    self.graft.attach(runner, self.failed)
+                    self.graft.attach(runner, self.failed, self.figures)
                     served.tree = "vllm-graft"
         if self.config.log_dir is not None:
             self.open_writer(startup=True)

@@ -40,6 +40,8 @@ FIGURES = {
     "refused": ("trainer_vllm_drafter_refused", "counter", "Published drafter versions refused (unloadable or "
                 "mismatched); the old weights keep serving"),
     "version": ("trainer_vllm_drafter_version", "gauge", "Drafter version serving (0: the one vLLM started with)"),
+    "adjacency_version": ("trainer_vllm_adjacency_version", "gauge", "Adjacency version the graft proposer serves "
+                          "(0: none published yet)"),
     "hooks_active": ("trainer_vllm_hooks_active", "gauge", "1 once a verification step ran through the plugin's "
                      "hooks"),
 }  # fmt: skip
