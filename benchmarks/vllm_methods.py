@@ -258,7 +258,8 @@ def main() -> None:
             env = {"TRAINER_VLLM_WATCH": str(publish_dir), "TRAINER_VLLM_POLL_SECONDS": "0.2"}
             daemon = python_process(ADAPT, ["graft", "--logs", str(logs), "--target", str(TARGET),
                                             "--publish", str(publish_dir), "--state", str(out / "graft-state"),
-                                            "--publish-seconds", "1", "--commit-seconds", "1", "--poll-seconds", "0.2"],
+                                            "--publish-seconds", "1", "--commit-seconds", "1", "--poll-seconds", "0.2",
+                                            "--keep", "100000"],
                                     log=out / "graft-daemon.log")  # fmt: skip
         elif method == "graft-frozen":
             if version_at_shift is None:
