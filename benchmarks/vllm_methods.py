@@ -64,6 +64,7 @@ DRAFTERS = {
     "specblock": ("checkpoints/specblock_tiny", "specblock", "eagle3"),
 }
 GRAFT = "trainer.integrations.vllm.graft.GraftProposer"
+WARM_UP = "def warm_up(values):\n    total = 0\n    for value in values:\n        total += value\n    return total\n"
 METHODS = ("plain", "ngram", "suffix", *DRAFTERS, "graft", "graft-frozen", "plain-again")
 
 # One vLLM process: the stream window by window; at the shift (``shift``), for the graft proposer, the version in
@@ -81,7 +82,10 @@ from trainer.integrations.vllm import hooks
 plugin = hooks._installed
 params = SamplingParams(max_tokens=cfg["max_tokens"], temperature=0, ignore_eos=True)
 tiny = SamplingParams(max_tokens=2, temperature=0)
-llm.generate([{"prompt_token_ids": [7, 7, 7]}], tiny, use_tqdm=False)  # warm-up
+# Warm-up: a prompt outside the stream, long enough that every proposer drafts (vLLM's n-gram matcher compiles on
+# its first use).
+llm.generate([{"prompt_token_ids": cfg["warm_up"]}], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
+             use_tqdm=False)
 
 def counters():
     found = {m.name: m for m in llm.get_metrics()}
@@ -238,13 +242,14 @@ def main() -> None:
         batch = texts[domain][used[domain] : used[domain] + n]
         used[domain] += n
         windows.append([tok(t, add_special_tokens=False)["input_ids"] for t in batch])
+    warm_up = tok(WARM_UP, add_special_tokens=False)["input_ids"]
     longest = max(len(p) for w in windows for p in w)
     max_model_len = max(512, 2 * (longest + args.max_tokens + args.depth + 1))
     results: dict[str, dict] = {}
     version_at_shift = None
     for method in args.methods:
         cfg = {"target": str(TARGET), "windows": windows, "shift": stdlib, "max_tokens": args.max_tokens,
-               "max_model_len": max_model_len, "fresh": method == "graft",
+               "max_model_len": max_model_len, "fresh": method == "graft", "warm_up": warm_up,
                "spec": speculative(method, out, args.depth, args.drafter_depth)}  # fmt: skip
         env: dict[str, str] = {}
         daemon = None
