@@ -662,7 +662,8 @@ def simulate(todo: list[tuple[str, int]], versions: Versions, costs: Costs, out:
     for model, seed in todo:
         config = BanditConfig(horizon_requests=horizon, window_steps=args.window, shadow_acceptance="greedy",
                               swap_seconds=costs.swap_seconds,
-                              update_cost_share=1.0 if model == "colocated" else args.exchange_rate)  # fmt: skip
+                              update_cost_share=1.0 if model == "colocated" else args.exchange_rate,
+                              log_share=1.0 / args.log_every)  # fmt: skip
         bandit = Bandit(out / "runs" / f"{model}-{seed}", versions, costs, config, args.log_every, seed)
         greedy = Greedy(args.greedy_window, args.greedy_drop)
         policies = [Never(), *(Every(n) for n in shown), greedy, bandit]

@@ -28,7 +28,7 @@ decision options (a long horizon makes its updates pay on this CPU; a short stre
 share), so that an updated version is trained, published and hot-loaded::
 
     python benchmarks/closed_loop.py --out runs/loop-vllm --engine vllm --vllm-python .venv-vllm/bin/python \\
-        --requests 20 --bandit-options '--horizon-requests 100000 --explore-share 1'
+        --requests 20 --bandit-options '--horizon-requests 100000 --alpha 1'
 
 ``--engine vllm --drafter none`` serves vLLM's graft proposer instead (trainer/integrations/vllm/graft.py,
 8-token chains from the adjacency, learning online): the graft daemon alone reads the log and vLLM switches its
@@ -381,7 +381,7 @@ def main() -> None:
     p.add_argument("--vllm-python", default=os.environ.get("TRAINER_VLLM_PYTHON"),
                    help="vLLM's environment's Python (.ci/vllm_env; default $TRAINER_VLLM_PYTHON)")  # fmt: skip
     p.add_argument("--bandit-options", default="", help="extra arguments of trainer adapt bandit, e.g. "
-                   "'--horizon-requests 100000 --explore-share 1': a long horizon makes an update pay, and a short "
+                   "'--horizon-requests 100000 --alpha 1': a long horizon makes an update pay, and a short "
                    "stream has served too few tokens for the default exploration budget")  # fmt: skip
     p.add_argument("--no-control", action="store_true", help="skip serving the stream again without the daemons")
     args = p.parse_args()

@@ -22,22 +22,32 @@ from trainer.adapt.bandit import (
     ArmStats,
     BanditConfig,
     Context,
+    Ledger,
     LiveTau,
     Rates,
     Replay,
     acceptance,
     collapsed,
+    combined,
     cost_tokens,
     drift,
     expected_accepted,
     gain_tokens,
+    judged_ratio,
+    judged_sd,
+    keep_risk,
+    live_bound,
     live_gain,
     outcome_weight,
+    paired_gain,
     plan,
     pooled_priors,
+    rollback_power,
     rolled_back,
+    should_publish,
     step_seconds,
     step_tokens,
+    update_risk,
 )
 from trainer.adapt.bandit_daemon import ALARM_EXIT, BanditDaemon, DaemonState, PendingDecision
 from trainer.adapt.journal import StateError
@@ -347,43 +357,96 @@ def test_untried_arms_borrow_the_tried_arms_outcomes_and_costs():
     config = BanditConfig(prior_lift=0.1, prior_recovery=0.5, horizon_requests=10, swap_seconds=0.0, lift_decay=1.0)
     arms = (Arm("a", "approx", 4, 1e-3), Arm("b", "full", 8, 1e-3))
     stats = {"a": ArmStats.fresh(config), "b": ArmStats.fresh(config)}
-    lift, per_step = pooled_priors(arms, stats, config)
-    assert lift.n == 0 and per_step == config.prior_seconds_per_step
+    lift, live, per_step = pooled_priors(arms, stats, config)
+    assert lift.n == 0 and live.n == 0 and per_step == config.prior_seconds_per_step
     stats["a"].measured(8.0)
     stats["a"].lift.add(FRESH.x, 0.3)
-    lift, per_step = pooled_priors(arms, stats, config)
+    lift, _, per_step = pooled_priors(arms, stats, config)
     assert lift.posterior() == stats["a"].lift.posterior() and per_step == 2.0  # 8 s over 4 steps
     rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
     _, (_, b) = plan(rates, FRESH, arms, stats, config)
     # b: 8 steps at 2 s = 16 s, 320 tokens; its plain gain: 400 served tokens × 0.26 (a's posterior mean).
     assert b.cost == pytest.approx(320.0) and b.mean_gain == pytest.approx(400 * 0.26)
+    # a's publishes realised less than their shadow said: b, without live outcomes of its own, borrows that too.
+    stats["a"].live.add((0.3, 1.0), -0.1, outcome_weight(0.0, config))
+    _, (_, borrowed) = plan(rates, FRESH, arms, stats, config)
+    assert borrowed.mean_gain < b.mean_gain
+    assert borrowed.mean_gain == pytest.approx(400 * live_gain(stats["a"].live, 0.26))
 
 
-def test_exploration_spends_at_most_its_budget():
-    """An update worth it only under the optimistic bound runs while its cost fits the exploration budget; one
-    whose plain estimate pays runs whatever the budget."""
-    config = BanditConfig(prior_lift=0.1, prior_recovery=0.5, horizon_requests=10, swap_seconds=0.0)
+def test_plan_takes_only_updates_whose_worst_case_fits_the_budget():
+    """An update's worst case (its stall and swaps at never-update's throughput, the judgement's windows at
+    ``1 - regress_max``) must fit the ledger's slack, whatever its expected gain."""
+    config = BanditConfig(prior_lift=0.1, prior_recovery=0.5, horizon_requests=10, swap_seconds=0.1, alpha=0.01,
+                          window_steps=10, judge_windows=2, regress_max=0.1, seconds_margin=1.5)  # fmt: skip
     arms = (Arm("a", "full", 4, 1e-3),)
     stats = {"a": ArmStats.fresh(config)}
-    stats["a"].measured(3.0)
+    stats["a"].measured(1.0)
     rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)
-    # Fresh traffic: the optimistic 0.2 gains 80 tokens, the plain prior 0.1 gains 40; the update costs 60.
-    choice, (estimate,) = plan(rates, FRESH, arms, stats, config, explore_left=59.0)
-    assert estimate.mean_gain == pytest.approx(40.0) and estimate.exploring and choice == SKIP
-    assert plan(rates, FRESH, arms, stats, config, explore_left=61.0)[0] == "a"
-    stats["a"].measured(0.6)  # cost (3 + 0.6) / 2 = 1.8 s: 36 tokens, below the plain gain of the prior ...
-    choice, (estimate,) = plan(rates, FRESH, arms, stats, config, explore_left=0.0)
-    assert estimate.exploring and choice == SKIP  # ... which no outcome has backed yet: still a bet on the prior
-    stats["a"].lift.add(FRESH.x, 0.1)  # a shadow outcome that confirms it: exploitation, whatever the budget
-    choice, (estimate,) = plan(rates, FRESH, arms, stats, config, explore_left=0.0)
-    assert estimate.mean_gain == pytest.approx(40.0) and not estimate.exploring and choice == "a"
+    # Stall: 0.99 · 20 tokens/s · (1.5 s + 2 · 0.1 s) = 33.66; judgement: 20 steps of τ 1.8 (36 tokens) each
+    # adding 1 - 0.99 / 0.9 = -0.1 slack per token: 3.6.
+    risk = update_risk(rates, 1.0, 1.0, config)
+    assert risk == pytest.approx(33.66 + 3.6)
+    choice, (estimate,) = plan(rates, FRESH, arms, stats, config, slack=risk - 0.01)
+    assert estimate.risk == pytest.approx(risk) and estimate.net > 0 and choice == SKIP
+    assert plan(rates, FRESH, arms, stats, config, slack=risk)[0] == "a"
+    # Served at a lower bound of 0.95 of never-update's τ, the baseline serves 1/0.95 as fast: a larger stall.
+    assert update_risk(rates, 0.95, 1.0, config) > risk
+    # The served version's next window at its bound: 10 steps of τ 2 at 1 - 0.99 / 0.95 per token.
+    assert keep_risk(rates, 0.95, config) == pytest.approx(-20 * (1 - 0.99 / 0.95))
+    assert keep_risk(rates, 1.0, config) == pytest.approx(-20 * 0.01)  # never-update's drafter only adds slack
 
 
-def test_rollback_and_collapse_rules():
-    config = BanditConfig(rollback_margin=0.1, collapse_ratio=0.5, collapse_tau=1.0, noise_z=2.0)
-    assert rolled_back(3.0, 2.85, config) and not rolled_back(3.0, 2.95, config)
-    # Within two standard errors of the windows' difference, a fall is noise: no rollback.
-    assert not rolled_back(3.0, 2.85, config, se=0.05) and rolled_back(3.0, 2.75, config, se=0.05)
+def test_ledger_known_answers():
+    ledger = Ledger(alpha=0.01, ratio={"1": 1.0, "2": 0.9})
+    ledger.serve("1", 1000.0)
+    assert ledger.served == 1000.0 and ledger.baseline == 1000.0 and ledger.slack == pytest.approx(10.0)
+    ledger.stalled(5.0)  # never-update served 5 tokens while the server trained
+    assert ledger.slack == pytest.approx(1000.0 - 0.99 * 1005.0)
+    ledger.serve("2", 90.0)  # 90 tokens at 0.9 of never-update's τ: never-update served 100 meanwhile
+    assert ledger.baseline == pytest.approx(1105.0) and ledger.slack == pytest.approx(1090.0 - 0.99 * 1105.0)
+    ledger.serve("", 10.0)  # steps of no version here count as never-update's
+    assert ledger.baseline == pytest.approx(1115.0)
+    assert Ledger.from_json(json.loads(json.dumps(ledger.to_json()))) == ledger
+
+
+def test_paired_gain_and_the_publish_bound():
+    # Two requests: the candidate's expected tokens are 10% above the served drafter's at every context.
+    served = [torch.tensor(x, dtype=torch.float64) for x in ([2.0, 3.0], [1.5, 2.5, 4.0], [])]
+    gain, se = paired_gain(served, [t * 1.1 for t in served])
+    assert gain == pytest.approx(0.1) and se == pytest.approx(0.0, abs=1e-12)
+    # Per-request sums a = (5, 8), b = (6, 8): gain 14/13 - 1; residuals b - (14/13) a.
+    gain, se = paired_gain(served, [torch.tensor([3.0, 3.0]), torch.tensor([1.5, 2.5, 4.0]), torch.zeros(0)])
+    r = [6 - 14 / 13 * 5, 8 - 14 / 13 * 8]
+    assert gain == pytest.approx(1 / 13) and se == pytest.approx(math.sqrt(2 * (r[0] ** 2 + r[1] ** 2)) / 13)
+    assert paired_gain(served[:1], served[:1])[1] == math.inf  # one request: no spread measured
+    assert math.isnan(paired_gain([torch.zeros(0)], [torch.zeros(0)])[0])
+    # The live fit's prior (slope 1 ± 0.5, bias 0 ± 0.05) at shadow 0.1 measured ± 0.02.
+    config = BanditConfig()
+    fit = ArmStats.fresh(config).live
+    mean, sd = live_bound(fit, 0.1, 0.02)
+    assert mean == pytest.approx(0.1) and sd == pytest.approx(math.sqrt(0.05**2 + 0.05**2 + 0.02**2))
+    rates = Rates(tau=2.0, step_seconds=0.1, request_rate=0.5)  # 400 tokens over the horizon of 10 requests
+    config = BanditConfig(horizon_requests=10, swap_seconds=0.1)  # a swap costs 2 tokens
+    lower = mean - config.confidence_z * sd
+    assert lower < 0 and not should_publish(rates, lower, config)  # the mean gains 40 tokens: not enough proof
+    assert should_publish(rates, 0.006, config) and not should_publish(rates, 0.004, config)
+
+
+def test_rollback_test_and_ledger_ratio_rules():
+    config = BanditConfig(rollback_effect=0.03, rollback_power=0.8, regress_max=0.1, confidence_z=1.645)
+    # The estimate's sd at which a 3% regression is caught 80% of the time: 0.03 / z(0.8).
+    assert judged_sd(config) == pytest.approx(0.03 / 0.8416, rel=1e-3)
+    assert rollback_power(judged_sd(config), config) == pytest.approx(0.8)
+    assert rollback_power(0.06, config) == pytest.approx(0.6915, abs=1e-4)  # two live windows alone: a coin flip
+    assert rolled_back(-0.001) and not rolled_back(0.0) and rolled_back(math.nan)
+    # Independent estimates combine by precision; a missing one is left out.
+    assert combined([(0.1, 0.05), (-0.05, 0.05)]) == pytest.approx((0.025, 0.05 / math.sqrt(2)))
+    assert combined([(0.1, 0.05), (math.nan, math.inf)]) == pytest.approx((0.1, 0.05))
+    # A judged version's ratio: its parent's times the gain's lower bound, never below the reserved worst case.
+    assert judged_ratio(0.95, 0.2, 0.05, config) == pytest.approx(0.95 * (1.2 - 1.645 * 0.05))
+    assert judged_ratio(0.95, -0.3, 0.05, config) == pytest.approx(0.95 * 0.9)
+    config = BanditConfig(collapse_ratio=0.5, collapse_tau=1.0)
     assert collapsed(1.0, 1.2, config) and collapsed(1.4, 3.0, config)
     assert not collapsed(2.0, 3.0, config) and not collapsed(1.05, 1.2, config)
 
@@ -421,13 +484,12 @@ def test_rollback_when_the_new_version_is_worse(tmp_path):
     (tmp_path / "logs").mkdir()
     daemon = _daemon(tmp_path)
     assert daemon.state.version == 1
-    pending = PendingDecision(
-        decision=1, arm="full-1", tau_before=3.0, tau_before_se=0.0, tau_new=3.5, shadow_gain=0.2, seen=0
-    )
+    pending = PendingDecision(decision=1, arm="full-1", tau_before=3.0, tau_before_se=0.0, tau_new=3.5,
+                              shadow_gain=0.2, shadow_se=0.01, lower=0.1, seen=0, ratio_parent=1.0)  # fmt: skip
     v2 = publish(tmp_path / "pub", daemon.drafter.save_pretrained, {"kind": "drafter", "decision": pending.to_json()})
     daemon.close()
     _write_log(tmp_path / "logs", "seg-000001-1000", v2, accepted=[1])  # τ 2 < 3 - margin
-    restarted = _daemon(tmp_path)  # adopts v2 and its pending decision from the manifest
+    restarted = _daemon(tmp_path, judge_windows=1)  # adopts v2 and its pending decision from the manifest
     assert restarted.state.version == v2 and restarted.state.pending == pending
     assert restarted.run(once=True) == 0
     version, path = read_current(tmp_path / "pub")
@@ -462,9 +524,8 @@ def test_a_state_file_of_another_version_is_refused_by_name(tmp_path):
     with pytest.raises(StateError, match=r"arm statistics \['full-1'\] without the keys"):
         _daemon(tmp_path)
     # The pending decision is a record of its own: it reads back as written, and a key short is refused.
-    pending = PendingDecision(
-        decision=3, arm="full-1", tau_before=3.0, tau_before_se=0.1, tau_new=3.4, shadow_gain=0.2, seen=9
-    )
+    pending = PendingDecision(decision=3, arm="full-1", tau_before=3.0, tau_before_se=0.1, tau_new=3.4,
+                              shadow_gain=0.2, shadow_se=0.01, lower=0.1, seen=9, ratio_parent=0.95)  # fmt: skip
     with_pending = json.loads(json.dumps({**saved, "pending": pending.to_json()}))
     assert DaemonState.from_json(with_pending, path).pending == pending
     del with_pending["pending"]["seen"]
@@ -494,14 +555,13 @@ def test_an_updates_version_inherits_the_reference_tau(tmp_path):
     daemon = _daemon(tmp_path)
     daemon.state.ref["1"] = 4.5
     daemon.commit()
-    pending = PendingDecision(
-        decision=1, arm="full-1", tau_before=3.5, tau_before_se=0.0, tau_new=4.2, shadow_gain=0.2, seen=0
-    )
+    pending = PendingDecision(decision=1, arm="full-1", tau_before=3.5, tau_before_se=0.0, tau_new=4.2,
+                              shadow_gain=0.2, shadow_se=0.01, lower=0.1, seen=0, ratio_parent=1.0)  # fmt: skip
     manifest = {"kind": "drafter", "parent": 1, "decision": pending.to_json()}
     v2 = publish(tmp_path / "pub", daemon.drafter.save_pretrained, manifest)
     daemon.close()
     _write_log(tmp_path / "logs", "seg-000001-1000", v2, accepted=[3])  # τ 4
-    restarted = _daemon(tmp_path)
+    restarted = _daemon(tmp_path, judge_windows=1)
     restarted.read()
     restarted.decide()
     assert restarted.state.ref[str(v2)] == pytest.approx(4.5)  # not its own 4
@@ -591,7 +651,7 @@ def test_alarm_on_a_zeroed_drafter_and_on_collapsed_tau(tmp_path):
 def test_failed_update_leaves_the_served_version(tmp_path):
     _write_log(tmp_path / "logs", "seg-000001-1000", 1, accepted=[3])
     # A first update rests on the prior: exploration, given a budget here.
-    daemon = _daemon(tmp_path, horizon_requests=1e6, explore_share=1e3)
+    daemon = _daemon(tmp_path, horizon_requests=1e6, alpha=1.0)
     daemon.state.ref["1"] = 4.5  # τ fell from 4.5 to 4: worth an update
     daemon.arms = (Arm("full-1", "full", 1, 1e39),)  # overflows the weights to inf
     assert daemon.run(once=True) == 0
@@ -639,7 +699,7 @@ def test_daemon_updates_eagle3_and_specblock_drafters(tmp_path, name):
     _write_log(tmp_path / "logs", "seg-000001-1000", 1, accepted=[3])
     arms = (Arm("approx-1", "approx", 1, 1e-3), Arm("lora-1", "lora", 1, 1e-2), Arm("full-1", "full", 1, 1e-3))
     daemon = BanditDaemon(tmp_path / "logs", CHECKPOINTS / name, tmp_path / "pub", tmp_path / "state", TINY_TARGET,
-                          BanditConfig(window_steps=8, horizon_requests=1e6, explore_share=1e3), arms=arms)  # fmt: skip
+                          BanditConfig(window_steps=8, horizon_requests=1e6, alpha=1.0), arms=arms)  # fmt: skip
     assert [a.name for a in daemon.arms] == ["lora-1", "full-1"]
     daemon.read()
     served = {n: p.clone() for n, p in daemon.drafter.state_dict().items()}
@@ -683,10 +743,13 @@ def test_context_novelty_drift_and_cached_features(tmp_path):
     # Once every request is cached (a first shadow evaluation caches the held-back ones), batches and shadow
     # evaluations need no target forward at all.
     first = daemon.shadow(daemon.drafter)
+    # One tensor per held-back request, one expected-token count per logged step of it.
+    assert [len(t) for t in first] == [len(r["steps"]) for r in replay.holdout] and len(first) == 1
     forwards = []
     daemon.target.register_forward_hook(lambda *_: forwards.append(1))
     daemon._batch(replay)
-    assert daemon.shadow(daemon.drafter) == pytest.approx(first) and forwards == []
+    torch.testing.assert_close(daemon.shadow(daemon.drafter), first)
+    assert forwards == []
     daemon.close()
 
 
@@ -697,7 +760,7 @@ def test_daemon_features_in_bfloat16_drafter_trains_in_float32(tmp_path):
     _write_log(tmp_path / "logs", "seg-000001-1000", 1, accepted=[3])
     arms = (Arm("full-1", "full", 1, 1e-3),)
     daemon = BanditDaemon(tmp_path / "logs", DFLASH_TINY, tmp_path / "pub", tmp_path / "state", TINY_TARGET,
-                          BanditConfig(window_steps=8, horizon_requests=1e6, explore_share=1e3), arms=arms,
+                          BanditConfig(window_steps=8, horizon_requests=1e6, alpha=1.0), arms=arms,
                           device=torch.device("cpu"), dtype=torch.bfloat16)  # fmt: skip
     assert {p.dtype for p in daemon.target.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in daemon.drafter.parameters()} == {torch.float32}
@@ -706,10 +769,110 @@ def test_daemon_features_in_bfloat16_drafter_trains_in_float32(tmp_path):
     assert batch["features"].dtype == torch.bfloat16
     candidate = daemon.train(arms[0])
     assert {p.dtype for p in candidate.parameters()} == {torch.float32}
-    assert math.isfinite(daemon.shadow(candidate))
+    assert all(torch.isfinite(t).all() for t in daemon.shadow(candidate))
     daemon.state.ref["1"] = 4.5  # τ fell from 4.5 to 4: worth an update
     assert daemon.run(once=True) == 0
     decision = _journal(tmp_path)[-1]
     assert decision["arm"] == "full-1" and "failed" not in decision
     assert math.isfinite(decision["shadow_served"]) and math.isfinite(decision["shadow_candidate"])
     daemon.close()
+
+
+# ---- the budget holds by construction: the daemon against a synthetic server -------------------------------------
+class _StubDaemon(BanditDaemon):
+    """The daemon with a synthetic trainer: a candidate is a copy of the served drafter (no optimiser step) whose
+    true live τ and shadow expected tokens are its parent's times ``1 + true_gain(parent's factor, update)`` and
+    ``1 + shadow_gain``; an update's clock advances by ``train_seconds``."""
+
+    def __init__(self, *a, true_gain, shadow_gain: float, train_seconds: float, **kw) -> None:
+        self.now = 0.0
+        super().__init__(*a, clock=lambda: self.now, **kw)
+        self.true_gain, self.shadow_gain, self.train_seconds = true_gain, shadow_gain, train_seconds
+        self.factors = {id(self.drafter): (1.0, 1.0)}  # (true τ factor, shadow factor) per drafter
+
+    def train(self, arm: Arm) -> torch.nn.Module:
+        self.now += self.train_seconds
+        true, shadow = self.factors[id(self.drafter)]
+        candidate = copy.deepcopy(self.drafter)
+        gain = self.true_gain(true, len(self.factors) - 1)
+        self.factors[id(candidate)] = (true * (1 + gain), shadow * (1 + self.shadow_gain))
+        return candidate
+
+    def shadow(self, drafter: torch.nn.Module) -> list[torch.Tensor]:
+        # Per held-back context: a difficulty of its own times the drafter's shadow factor, with 1% noise of its own.
+        factor = self.factors[id(drafter)][1]
+        g = torch.Generator().manual_seed(len(self.factors))
+        out = []
+        for r, request in enumerate(Replay.from_json(self.state.replay).holdout):
+            n = len(request["steps"])
+            base = 1.5 + 0.1 * torch.arange(n, dtype=torch.float64) + 0.2 * (r % 3)
+            out.append(base * factor * (1 + 0.01 * torch.randn(n, generator=g, dtype=torch.float64)))
+        return out
+
+    def _load_drafter(self, directory: Path) -> torch.nn.Module:
+        model = super()._load_drafter(directory)
+        # Only never-update's drafter is loaded in one process (the first version; rollbacks republish the parent
+        # the daemon holds): any other load would serve a drafter of unknown factors.
+        assert Path(directory).name in ("baseline", "v000001")
+        if hasattr(self, "factors"):
+            self.factors[id(model)] = (1.0, 1.0)
+        return model
+
+
+def _serve_against_never(tmp_path: Path, rounds: int, true_gain, shadow_gain: float) -> tuple[list, list, list]:
+    """Serve ``rounds`` windows of 64 steps (0.1 s each; never-update's drafter commits τ 3) with whatever the stub
+    daemon publishes, the daemon deciding after each; the stall of its updates (co-located) and swaps is time no
+    token is served. Returns the served-token total over never-update's at each decision, the ledger's pessimistic
+    count of never-update's tokens minus the true one at each, and the decision journal."""
+    config = BanditConfig(window_steps=64, horizon_requests=1e5, swap_seconds=0.05)
+    assert config.alpha == 0.01 and config.update_cost_share == 1.0
+    (tmp_path / "logs").mkdir()
+    daemon = _StubDaemon(tmp_path / "logs", DFLASH_TINY, tmp_path / "pub", tmp_path / "state", TINY_TARGET, config,
+                         arms=(Arm("full-1", "full", 1, 1e-4),), true_gain=true_gain, shadow_gain=shadow_gain,
+                         train_seconds=0.2)  # fmt: skip
+    served = elapsed = 0.0
+    ratios, pessimism = [], []
+    for i in range(rounds):
+        tau = min(4.9, 3.0 * daemon.factors[id(daemon.drafter)][0])
+        # 64 steps whose accepted counts average tau - 1: the window's τ is the version's true τ.
+        low = int(tau - 1)
+        accepted = [low + 1] * round((tau - 1 - low) * 64) + [low] * (64 - round((tau - 1 - low) * 64))
+        _write_log(tmp_path / "logs", f"seg-{i:06d}-{1000 + i}", daemon.state.version, accepted, requests=16)
+        served += sum(a + 1 for a in accepted)
+        elapsed += 64 * 0.1
+        now, swaps = daemon.now, daemon.state.updates + daemon.state.rollbacks
+        daemon.read()
+        daemon.decide()
+        elapsed += daemon.now - now + (daemon.state.updates + daemon.state.rollbacks - swaps) * config.swap_seconds
+        never = 3.0 * elapsed / 0.1
+        ratios.append(served / never)
+        pessimism.append(daemon._budget()["baseline"] - never)
+    daemon.close()
+    return ratios, pessimism, _journal(tmp_path)
+
+
+def test_budget_holds_when_every_update_realises_a_loss(tmp_path):
+    """Adversarial outcomes: every candidate's shadow gain is +15%, every published version serves 10% (the
+    reserved worst case), 3% or 6% less than its parent. At every decision the served tokens stay >= 99% of
+    never-update's, the ledger never counts fewer never-update tokens than the truth, and an update did publish."""
+    losses = (0.1, 0.03, 0.06)
+    ratios, pessimism, journal = _serve_against_never(tmp_path, 150, lambda _, n: -losses[n % 3], 0.15)
+    published = [e for e in journal if e.get("published")]
+    assert published
+    assert min(ratios) >= 0.99
+    assert min(pessimism) >= -1e-6
+    # Each published version was judged and rolled back or, kept, replaced by never-update's drafter in time.
+    outcomes = [e for e in journal if e["event"] == "outcome"]
+    assert len(outcomes) >= len(published) - 1
+    assert all("rolled_back_to" in e or e["ratio"] < 1 for e in outcomes)
+
+
+def test_updates_that_pay_are_published_and_kept(tmp_path):
+    """When updates truly pay (+15% live, as the shadow says, until τ is 40% above never-update's), the rule
+    publishes, keeps them, and serves more than never-update, its budget held at every decision."""
+    ratios, pessimism, journal = _serve_against_never(tmp_path, 120, lambda true, _: 0.15 if true < 1.4 else 0.0,
+                                                      0.15)  # fmt: skip
+    kept = [e for e in journal if e["event"] == "outcome" and "rolled_back_to" not in e]
+    assert kept and all(e["ratio"] > 1 for e in kept[:1])
+    assert min(ratios) >= 0.99 and min(pessimism) >= -1e-6
+    assert ratios[-1] > 1.05

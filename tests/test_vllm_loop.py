@@ -22,7 +22,7 @@ REQUESTS = 4
 def test_closed_loop_next_to_vllm(tmp_path):
     served = run_loop(
         tmp_path, requests=REQUESTS, max_tokens=32, temperature=0.7, publish_seconds=1.0, drafter=VLLM_DRAFTER,
-        vllm_python=sys.executable, bandit_options=("--horizon-requests", "100000", "--explore-share", "1"),
+        vllm_python=sys.executable, bandit_options=("--horizon-requests", "100000", "--alpha", "1"),
     )  # fmt: skip
     records = log_records(tmp_path / "logs")  # every line through the validator
     steps = [r for r in records if r["kind"] == "step"]

@@ -2,10 +2,12 @@
 
 Pure: no files, no models (the daemon, trainer/adapt/bandit_daemon.py, measures and trains). A candidate's gain is
 predicted from the served version's context (novelty of the replay buffer, drift of live τ) by a per-arm Bayesian
-regression (``Lift``) of shadow gains, used optimistically; a per-arm *live fit* (``Lift`` over ``(shadow gain,
-1)``) learns from realised outcomes what a shadow gain is worth live, because the shadow scores a chain, not the
-served tree. Gains and costs are in served tokens over a horizon; exploration spends at most ``explore_share`` of
-the tokens served. Units, formulas and the measured figures behind the defaults: docs/bandit.md ("The estimates").
+regression (``Lift``) of shadow gains, used optimistically to choose what to train; a per-arm *live fit* (``Lift``
+over ``(shadow gain, 1)``) learns from realised outcomes what a shadow gain is worth live, because the shadow scores
+a chain, not the served tree. A candidate is published only when a lower confidence bound of its live gain clears
+the swap, and every action is held to a conservative budget (``Ledger``): the served-token total stays at least
+``1 - alpha`` times never-update's, training, swaps and realised regressions counted. Units, formulas, the guarantee
+and its assumptions: docs/bandit.md ("The estimates", "The guarantee").
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from statistics import NormalDist
 from typing import Literal
 
 import torch
@@ -48,8 +51,7 @@ class BanditConfig:
 
     horizon_requests: float = 128.0
     window_steps: int = 64
-    rollback_margin: float = 0.05
-    # Differences of live τ within this many standard errors of the windows are noise (drift, rollback).
+    # Differences of live τ within this many standard errors of the windows are noise (drift).
     noise_z: float = 2.0
     collapse_ratio: float = 0.5
     collapse_tau: float = 1.0
@@ -71,8 +73,23 @@ class BanditConfig:
     update_cost_share: float = 1.0
     buffer_requests: int = 64
     holdout_every: int = 4
-    explore_share: float = 0.05
-    # How the server decodes, so how shadow evaluation scores acceptance: "sampled" or "greedy".
+    # The budget: at every decision the served tokens stay >= (1 - alpha) x what never updating would have served.
+    alpha: float = 0.01
+    # One-sided z of every lower bound the rule acts on (the publish bound, a judged version's ratio): 95%.
+    confidence_z: float = 1.645
+    # The largest relative τ regression a published version is assumed to make before its judgement: the ledger
+    # reserves it. The largest mean live loss an arm showed on the measured trace was 11.4% (docs/bandit.md).
+    regress_max: float = 0.1
+    # The rollback test detects a regression of rollback_effect (about what one update moves τ) with probability
+    # rollback_power; it waits for that much evidence at most judge_windows windows.
+    rollback_effect: float = 0.03
+    rollback_power: float = 0.8
+    judge_windows: int = 2
+    # An update is budgeted at its arm's estimated seconds times this (measured seconds vary between updates).
+    seconds_margin: float = 1.5
+    # The share of served steps the logs hold (a server that logs one request in four: 0.25): the ledger counts
+    # served tokens as the logged ones over it.
+    log_share: float = 1.0
     shadow_acceptance: Literal["sampled", "greedy"] = "sampled"
 
 
@@ -133,11 +150,17 @@ class Lift:
         w, _ = self.posterior()
         return w[0] * x[0] + w[1] * x[1]
 
-    def upper(self, x: tuple[float, float], beta: float) -> float:
-        """The predicted gain plus ``beta`` standard deviations of the prediction."""
+    def predictive(self, x: tuple[float, float]) -> tuple[float, float]:
+        """Posterior mean of ``w · x`` and its variance ``xᵀ C x`` (the weights' uncertainty, not an outcome's
+        noise)."""
         w, (c00, c01, c11) = self.posterior()
         var = c00 * x[0] * x[0] + 2 * c01 * x[0] * x[1] + c11 * x[1] * x[1]
-        return w[0] * x[0] + w[1] * x[1] + beta * math.sqrt(max(var, 0.0))
+        return w[0] * x[0] + w[1] * x[1], max(var, 0.0)
+
+    def upper(self, x: tuple[float, float], beta: float) -> float:
+        """The predicted gain plus ``beta`` standard deviations of the prediction."""
+        mean, var = self.predictive(x)
+        return mean + beta * math.sqrt(var)
 
 
 def live_gain(fit: Lift, shadow: float) -> float:
@@ -145,6 +168,35 @@ def live_gain(fit: Lift, shadow: float) -> float:
     slope (never negative: a larger shadow gain does not predict a smaller live one) times the gain, plus its bias."""
     (slope, bias), _ = fit.posterior()
     return max(0.0, slope) * shadow + bias
+
+
+def live_bound(fit: Lift, shadow: float, shadow_se: float) -> tuple[float, float]:
+    """The live gain a shadow gain measured with standard error ``shadow_se`` predicts, and the prediction's
+    standard deviation: the live fit's own uncertainty at ``(shadow, 1)`` plus the shadow's, carried by the slope."""
+    (slope, _), _ = fit.posterior()
+    _, var = fit.predictive((shadow, 1.0))
+    return live_gain(fit, shadow), math.sqrt(var + (max(0.0, slope) * shadow_se) ** 2)
+
+
+def paired_gain(served: list[torch.Tensor], candidate: list[torch.Tensor]) -> tuple[float, float]:
+    """The relative gain of ``candidate`` over ``served`` on the same held-back contexts, and its standard error:
+    per request (the contexts of one request are not independent), the sums of expected tokens ``a_r`` (served)
+    and ``b_r`` (candidate); gain ``Σ b / Σ a - 1``, its error the ratio estimator's over requests
+    ``sqrt(R / (R - 1) · Σ (b_r - (1 + gain) a_r)²) / Σ a``. Paired: what makes one context hard makes it hard
+    for both drafters, so only their difference is left in the error. NaN gain without contexts; an infinite
+    error with fewer than two requests.
+
+    Shape: served[r], candidate[r] (C_r,) expected tokens per context of request r
+    """
+    pairs = [(float(a.sum()), float(b.sum())) for a, b in zip(served, candidate, strict=True) if a.numel()]
+    total_a, total_b = sum(a for a, _ in pairs), sum(b for _, b in pairs)
+    if not pairs or not (math.isfinite(total_a) and math.isfinite(total_b)) or total_a <= 0:
+        return math.nan, math.inf
+    gain = total_b / total_a - 1.0
+    if len(pairs) < 2:
+        return gain, math.inf
+    residual = sum((b - (1.0 + gain) * a) ** 2 for a, b in pairs)
+    return gain, math.sqrt(len(pairs) / (len(pairs) - 1) * residual) / total_a
 
 
 def outcome_weight(relative_se: float, config: BanditConfig) -> float:
@@ -275,13 +327,15 @@ def cost_tokens(rates: Rates, seconds: float) -> float:
 
 @dataclass(frozen=True)
 class ArmEstimate:
-    """Served tokens over the horizon: ``gain`` from the optimistic prediction, ``mean_gain`` from the plain one."""
+    """Served tokens over the horizon: ``gain`` from the optimistic prediction, ``mean_gain`` from the plain one;
+    ``cost`` the update's expected cost, ``risk`` the budget slack it may consume at worst (``update_risk``)."""
 
     arm: str
     tau_gain: float
     gain: float
     mean_gain: float
     cost: float
+    risk: float = 0.0
     # Shadow outcomes the prediction rests on (the arm's own, or the pooled ones it borrows).
     observed: int = 0
 
@@ -289,21 +343,18 @@ class ArmEstimate:
     def net(self) -> float:
         return self.gain - self.cost
 
-    @property
-    def exploring(self) -> bool:
-        """Worth it only under the optimistic bound, or resting on the prior alone: an update no outcome has
-        backed yet is a bet on the prior, and the exploration budget bounds what such bets may lose."""
-        return self.observed == 0 or self.mean_gain - self.cost <= 0
 
-
-def pooled_priors(arms: tuple[Arm, ...], stats: dict[str, ArmStats], config: BanditConfig) -> tuple[Lift, float]:
-    """What an arm not yet tried borrows from the others: the prior regression with every tried arm's
-    observations, and their measured seconds per optimiser step (``prior_seconds_per_step`` before any was
-    measured)."""
-    fresh = ArmStats.fresh(config).lift
-    lift = fresh.pooled([stats[a.name].lift for a in arms if stats[a.name].lift.n])
+def pooled_priors(
+    arms: tuple[Arm, ...], stats: dict[str, ArmStats], config: BanditConfig
+) -> tuple[Lift, Lift, float]:
+    """What an arm not yet tried borrows from the others: the prior regression with every tried arm's shadow
+    observations, the live fit with every tried arm's realised outcomes (the correction of their shadow gains),
+    and their measured seconds per optimiser step (``prior_seconds_per_step`` before any was measured)."""
+    fresh = ArmStats.fresh(config)
+    lift = fresh.lift.pooled([stats[a.name].lift for a in arms if stats[a.name].lift.n])
+    live = fresh.live.pooled([stats[a.name].live for a in arms if stats[a.name].live.n])
     per_step = [stats[a.name].seconds / a.steps for a in arms if stats[a.name].seconds is not None]
-    return lift, (sum(per_step) / len(per_step) if per_step else config.prior_seconds_per_step)
+    return lift, live, (sum(per_step) / len(per_step) if per_step else config.prior_seconds_per_step)
 
 
 def plan(
@@ -312,27 +363,32 @@ def plan(
     arms: tuple[Arm, ...],
     stats: dict[str, ArmStats],
     config: BanditConfig,
-    explore_left: float = math.inf,
+    slack: float = math.inf,
+    ratio: float = 1.0,
 ) -> tuple[str, list[ArmEstimate]]:
-    """The arm with the largest expected net gain, or ``SKIP`` when none is positive or the best one is
-    exploration costing more than ``explore_left`` served tokens, and every arm's estimate.
+    """The arm with the largest expected net gain among those whose worst case fits the budget's ``slack``
+    (``update_risk`` from the served version's ``ratio``), or ``SKIP`` when none is positive; and every arm's
+    estimate.
 
     Expected τ gain of an arm = τ × what its live fit makes of its regression's optimistic relative gain in
-    ``context``; an arm not yet tried or measured starts from ``pooled_priors``.
+    ``context``; an arm without shadow outcomes borrows the pooled regression, one without live outcomes the
+    pooled live fit, one not yet measured the pooled seconds per step (``pooled_priors``).
     """
-    pooled, seconds_per_step = pooled_priors(arms, stats, config)
+    pooled, pooled_live, seconds_per_step = pooled_priors(arms, stats, config)
     estimates = []
     for arm in arms:
         s = stats[arm.name]
         lift = s.lift if s.lift.n else pooled
-        tau_gain = rates.tau * max(0.0, live_gain(s.live, max(0.0, lift.upper(context.x, config.ucb))))
-        mean_gain = gain_tokens(rates, rates.tau * (1 + live_gain(s.live, max(0.0, lift.mean(context.x)))), config)
+        live = s.live if s.live.n else pooled_live
+        tau_gain = rates.tau * max(0.0, live_gain(live, max(0.0, lift.upper(context.x, config.ucb))))
+        mean_gain = gain_tokens(rates, rates.tau * (1 + live_gain(live, max(0.0, lift.mean(context.x)))), config)
         seconds = s.seconds if s.seconds is not None else arm.steps * seconds_per_step
         cost = cost_tokens(rates, seconds * config.update_cost_share + config.swap_seconds)
         gain = gain_tokens(rates, rates.tau + tau_gain, config)
-        estimates.append(ArmEstimate(arm.name, tau_gain, gain, mean_gain, cost, lift.n))
-    best = max(estimates, key=lambda e: e.net, default=None)
-    if best is None or best.net <= 0 or (best.exploring and best.cost > explore_left):
+        risk = update_risk(rates, ratio, seconds, config)
+        estimates.append(ArmEstimate(arm.name, tau_gain, gain, mean_gain, cost, risk, lift.n))
+    best = max((e for e in estimates if e.risk <= slack), key=lambda e: e.net, default=None)
+    if best is None or best.net <= 0:
         return SKIP, estimates
     return best.arm, estimates
 
@@ -351,15 +407,114 @@ def shadow_tau(rates: Rates, gain: float, live: Lift) -> float:
     return rates.tau * (1.0 + live_gain(live, gain))
 
 
-def should_publish(rates: Rates, tau_new: float, config: BanditConfig) -> bool:
-    """A trained candidate is published when its predicted gain beats the swap (the update is already paid)."""
-    return math.isfinite(tau_new) and gain_tokens(rates, tau_new, config) > cost_tokens(rates, config.swap_seconds)
+def should_publish(rates: Rates, lower: float, config: BanditConfig) -> bool:
+    """A trained candidate is published when the lower confidence bound ``lower`` of its relative live gain gains
+    more served tokens over the horizon than the swap costs (the update itself is already paid)."""
+    return math.isfinite(lower) and gain_tokens(rates, rates.tau * (1.0 + lower), config) > cost_tokens(
+        rates, config.swap_seconds
+    )
 
 
-def rolled_back(previous: float, new: float, config: BanditConfig, se: float = 0.0) -> bool:
-    """The new version's windowed live τ fell below the previous one's by more than the margin plus ``noise_z``
-    standard errors ``se`` of the difference."""
-    return new < previous - config.rollback_margin - config.noise_z * se
+def combined(estimates: list[tuple[float, float]]) -> tuple[float, float]:
+    """Inverse-variance combination of independent (mean, sd) estimates of one gain; the finite ones only
+    ((NaN, inf) when none is)."""
+    finite = [(m, sd) for m, sd in estimates if math.isfinite(m) and math.isfinite(sd) and sd > 0]
+    if not finite:
+        return math.nan, math.inf
+    precision = sum(1.0 / sd**2 for _, sd in finite)
+    return sum(m / sd**2 for m, sd in finite) / precision, math.sqrt(1.0 / precision)
+
+
+def judged_sd(config: BanditConfig) -> float:
+    """The standard deviation of a judgement's gain estimate at which the rollback test (roll back when the
+    estimate is below 0) detects a regression of ``rollback_effect`` with probability ``rollback_power``."""
+    return config.rollback_effect / NormalDist().inv_cdf(config.rollback_power)
+
+
+def rollback_power(sd: float, config: BanditConfig) -> float:
+    """The probability that the rollback test catches a regression of ``rollback_effect`` when its estimate has
+    standard deviation ``sd`` (and, alike, that it rolls back a version that gains that much)."""
+    return NormalDist().cdf(config.rollback_effect / sd) if sd > 0 else 1.0
+
+
+def rolled_back(gain: float) -> bool:
+    """The rollback test: the judged live gain (``combined`` evidence) says the new version serves less."""
+    return not gain >= 0.0
+
+
+def judged_ratio(parent: float, gain: float, sd: float, config: BanditConfig) -> float:
+    """A judged version's lower bound of its τ over never-update's: the parent's times one plus the gain's lower
+    confidence bound, never below the reserved worst case ``1 - regress_max`` (the assumption the ledger rests on)."""
+    lower = gain - config.confidence_z * sd if math.isfinite(gain) and math.isfinite(sd) else -math.inf
+    return parent * max(1.0 - config.regress_max, 1.0 + lower)
+
+
+def update_risk(rates: Rates, ratio: float, seconds: float, config: BanditConfig) -> float:
+    """The budget slack an update may consume at worst, in served tokens (``Ledger.slack`` units): the stall of
+    ``seconds`` of training (times ``seconds_margin`` and ``update_cost_share``) and two swaps (the publish and a
+    rollback) at never-update's throughput, and the new version serving ``judge_windows`` windows (every served
+    step, logged or not) at ``1 - regress_max`` of the served version's τ before its judgement can roll it back.
+    ``ratio`` is the served version's lower bound over never-update; a negative risk is slack gained."""
+    baseline_rate = rates.throughput / ratio
+    stall_seconds = seconds * config.seconds_margin * config.update_cost_share + 2 * config.swap_seconds
+    stall = (1.0 - config.alpha) * baseline_rate * stall_seconds
+    steps = config.judge_windows * config.window_steps / config.log_share
+    return stall - steps * rates.tau * (1.0 - config.regress_max) * Ledger.margin(
+        ratio * (1.0 - config.regress_max), config.alpha
+    )
+
+
+def keep_risk(rates: Rates, ratio: float, config: BanditConfig) -> float:
+    """The slack the served version may consume over its next window at its lower bound ``ratio``."""
+    return -config.window_steps / config.log_share * rates.tau * Ledger.margin(ratio, config.alpha)
+
+
+@dataclass
+class Ledger:
+    """The conservative budget (Wu et al. 2016, "Conservative Bandits", with never-update as the baseline arm): the
+    served tokens, per drafter version, and a pessimistic count of what never updating would have served in the
+    same time. A version's tokens count ``tokens / ratio`` baseline tokens, ``ratio`` a lower bound of its τ over
+    never-update's (1 for the never-update drafter and for steps of no version here; the worst case reserved
+    while a version awaits its judgement; the judged lower bound after it); a stall (an update's training on the
+    serving device, a shadow evaluation, a swap) counts the baseline's throughput times its seconds and serves
+    nothing. ``slack = served - (1 - alpha) · baseline`` >= 0 is the guarantee; it grows by ``alpha`` per token
+    of a version as good as never-update's and by more with realised gains (docs/bandit.md, "The guarantee")."""
+
+    alpha: float
+    stall: float = 0.0
+    tokens: dict[str, float] = field(default_factory=dict)
+    ratio: dict[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def margin(ratio: float, alpha: float) -> float:
+        """Slack one served token of a version with ``ratio`` adds: ``1 - (1 - alpha) / ratio``."""
+        return 1.0 - (1.0 - alpha) / ratio
+
+    @property
+    def served(self) -> float:
+        return sum(self.tokens.values())
+
+    @property
+    def baseline(self) -> float:
+        return self.stall + sum(t / self.ratio.get(v, 1.0) for v, t in self.tokens.items())
+
+    @property
+    def slack(self) -> float:
+        return self.served - (1.0 - self.alpha) * self.baseline
+
+    def serve(self, version: str, tokens: float) -> None:
+        self.tokens[version] = self.tokens.get(version, 0.0) + tokens
+
+    def stalled(self, baseline_tokens: float) -> None:
+        """Never-update would have served ``baseline_tokens`` while the server stalled."""
+        self.stall += baseline_tokens
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict) -> Ledger:
+        return cls(**obj)
 
 
 def drift(tau_ref: float, live: LiveTau, config: BanditConfig) -> float:

@@ -15,11 +15,15 @@ collapsing raises the alarm (exit code 3, a log line, ``alarm`` in the metrics) 
 version when there is one; (2) a version published by an earlier decision is judged: its live τ is the realised
 outcome that updates the arm's live fit (shadow gain → live gain), and it is rolled back when it fell below the
 previous version's τ by the margin; (3) otherwise every arm's expected net gain in the served version's context
-(novelty, drift) is estimated and the best arm runs if it is positive: the candidate, a copy of the served drafter,
-takes the arm's steps on replayed requests through the training-step API (trainer/training/step.py), is
-shadow-evaluated on held-back logged contexts against their logged target top-k (the gain it shows trains the arm's
-regression), and is published when its predicted gain beats the swap. A failed or non-finite update is logged
-and leaves the served version as it is.
+(novelty, drift) is estimated and the best arm whose worst case fits the budget runs if its gain is positive: the
+candidate, a copy of the served drafter, takes the arm's steps on replayed requests through the training-step API
+(trainer/training/step.py), is shadow-evaluated beside the served drafter on the same held-back logged contexts
+against their logged target top-k (the paired gain trains the arm's regression), and is published when the lower
+confidence bound of its live gain beats the swap. A failed or non-finite update is logged and leaves the served
+version as it is. Every action is held to the budget ledger (trainer/adapt/bandit.py, ``Ledger``): at every
+decision the served tokens stay at least ``1 - alpha`` times never-update's, a served version whose worst case no
+longer fits is replaced by never-update's drafter (kept in ``STATE/baseline``), and a published version's
+judgement is a paired test sized to detect a regression of ``rollback_effect`` (docs/bandit.md, "The guarantee").
 
 State (``STATE/state.json``, replaced atomically): read offsets, the replay buffer, live τ per version, what the
 bandit learnt, the decision awaiting its outcome, and the lengths of ``STATE/quarantine.jsonl`` and
@@ -51,22 +55,29 @@ from trainer.adapt.bandit import (
     ArmStats,
     BanditConfig,
     Context,
+    Ledger,
     LiveTau,
     Rates,
     Replay,
     acceptance,
     collapsed,
-    cost_tokens,
+    combined,
     drift,
     expected_accepted,
+    judged_ratio,
+    judged_sd,
+    keep_risk,
+    live_bound,
     outcome_weight,
+    paired_gain,
     plan,
+    pooled_priors,
+    rollback_power,
     rolled_back,
-    shadow_gain,
-    shadow_tau,
     should_publish,
     step_seconds,
     step_tokens,
+    update_risk,
 )
 from trainer.adapt.journal import (
     METRICS,
@@ -104,6 +115,8 @@ from trainer.vlog.reader import LogReader
 from trainer.vlog.schema import RecordError
 
 STATE_FILE = "state.json"
+# Never-update's drafter: the version the daemon started from, kept beside the state (published versions are pruned).
+BASELINE = "baseline"
 DECISIONS = "decisions.jsonl"
 ALARM_EXIT = 3
 PENDING_REQUESTS = 512
@@ -148,8 +161,18 @@ class PendingDecision:
     tau_before: float
     tau_before_se: float
     tau_new: float
+    # The paired shadow gain, its standard error, and the lower bound of the live gain it was published on.
     shadow_gain: float
+    shadow_se: float
+    lower: float
     seen: int  # requests the replay had seen when the candidate was trained
+    # The replaced version's lower bound over never-update (the ledger's ratio).
+    ratio_parent: float
+    # Live evidence of the new version gathered over its judgement's windows so far: steps, Σ tokens, Σ tokens².
+    windows: int = 0
+    steps: int = 0
+    tokens: float = 0.0
+    tokens_sq: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -198,7 +221,9 @@ class DaemonState:
     requests: int = 0
     serving_seconds: float = 0.0
     served_tokens: int = 0
-    explore_tokens: float = 0.0
+    # The budget (Ledger.to_json()) and the published number of never-update's drafter.
+    ledger: dict = field(default_factory=dict)
+    baseline_version: int = 1
     decisions: int = 0
     updates: int = 0
     rollbacks: int = 0
@@ -280,6 +305,11 @@ class BanditDaemon:
             self.state = self._load_state() or self._fresh_state(Path(drafter))
             self._published: set[int] = set()
             self.drafter = self._served_drafter()
+            if not (self.state_dir / BASELINE).is_dir():
+                # A fresh state: the drafter served now is never-update's, the ledger's baseline.
+                partial = self.state_dir / f"{BASELINE}.partial"
+                self.drafter.save_pretrained(partial)
+                partial.rename(self.state_dir / BASELINE)
             self.options = options or update_options(self.drafter)
             has_approx = family_of(self.drafter).approximator is not None
             self.arms = tuple(a for a in arms if a.params != "approx" or has_approx)
@@ -294,6 +324,8 @@ class BanditDaemon:
             raise
         self.stop = threading.Event()
         self.alarm: str | None = None
+        # The drafter a pending version replaced, while this process holds it (else loaded from its version).
+        self._parent: torch.nn.Module | None = None
         self._feature_cache: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
 
     def close(self) -> None:
@@ -316,12 +348,18 @@ class BanditDaemon:
             # Served already (a state directory lost or moved): resume from the version and its decision.
             version = current[0]
             previous, pending = _adopted(current[1])
+        # A lost state restarts the budget from the drafter served now: it is never-update's from here on.
+        ledger = Ledger(self.config.alpha, ratio={str(version): 1.0})
+        if pending is not None:
+            ledger.ratio[str(version)] = pending.ratio_parent * (1.0 - self.config.regress_max)
         return DaemonState(
             version=version,
             previous=previous,
             pending=pending,
             trained_at={str(version): pending.seen if pending else 0},
             replay=Replay(self.config.buffer_requests, self.config.holdout_every).to_json(),
+            ledger=ledger.to_json(),
+            baseline_version=version,
         )
 
     def _load_state(self) -> DaemonState | None:
@@ -338,6 +376,15 @@ class BanditDaemon:
             parent, state.pending = _adopted(current[1])
             state.previous, state.version = parent, current[0]
             state.trained_at[str(current[0])] = state.pending.seen if state.pending else state.replay["seen"]
+            # Its ratio as the publish or republish set it: the reserved worst case, or the source's.
+            source = read_manifest(current[1]).get("rollback_of")
+            ratios = state.ledger["ratio"]
+            ratios[str(current[0])] = (
+                state.pending.ratio_parent * (1.0 - self.config.regress_max)
+                if state.pending
+                else ratios.get(str(source), 1.0)
+            )
+        state.ledger["alpha"] = self.config.alpha
         return state
 
     def commit(self) -> None:
@@ -355,8 +402,17 @@ class BanditDaemon:
             **{k: getattr(self.state, k) for k in keys},
             "tau": live.tau if live.recent else None,
             "alarm": self.alarm,
+            "budget": self._budget(),
             "ignored_steps": dict(self.state.ignored),
         }
+
+    def _budget(self) -> dict:
+        """The ledger's figures: served tokens, never-update's pessimistic count, the slack and its share."""
+        ledger = Ledger.from_json(self.state.ledger)
+        baseline = ledger.baseline
+        ratio = ledger.served / baseline if baseline > 0 else None
+        return {"alpha": ledger.alpha, "served": ledger.served, "baseline": baseline, "slack": ledger.slack,
+                "ratio": ratio, "stall": ledger.stall}  # fmt: skip
 
     def _served_drafter(self) -> torch.nn.Module:
         current = read_current(self.publish_dir)
@@ -379,6 +435,7 @@ class BanditDaemon:
     def read(self) -> int:
         """Apply every log line readable now; returns how many."""
         live: dict[str, LiveTau] = {}
+        ledger = Ledger.from_json(self.state.ledger)
         replay = Replay.from_json(self.state.replay)
         pending = self.state.pending_steps
         errors, n = [], 0
@@ -399,6 +456,11 @@ class BanditDaemon:
                     live[key].add(step_tokens(record), step_seconds(record))
                 else:
                     self.state.ignored[ignored] = self.state.ignored.get(ignored, 0) + 1
+                # Steps of a version here count at its ratio; the rest (no drafter, another drafter, the server's
+                # startup drafter) as never-update's: an update changes none of them. A logged step stands for
+                # 1 / log_share served ones.
+                drafted = str(record["drafter_version"]) if ignored in (None, "admitted under another version") else ""
+                ledger.serve(drafted, step_tokens(record) / self.config.log_share)
                 self.state.serving_seconds += step_seconds(record)
                 self.state.served_tokens += step_tokens(record)
                 pending.setdefault(record["request"], []).append(record)
@@ -416,6 +478,7 @@ class BanditDaemon:
         for key, value in live.items():
             self.state.live[key] = value.to_json()
         self.state.replay = replay.to_json()
+        self.state.ledger = ledger.to_json()
         return n
 
     def _ignored(self, record: dict, admitted: object) -> str | None:
@@ -474,7 +537,42 @@ class BanditDaemon:
         if self.state.pending is not None:
             self._judge(live)
             return
+        if self._over_budget():
+            return
         self._choose(live)
+
+    def _ledger(self) -> Ledger:
+        return Ledger.from_json(self.state.ledger)
+
+    def _ratio(self, version: int | None) -> float:
+        return self._ledger().ratio.get(str(version), 1.0)
+
+    def _stall(self, rates: Rates, seconds: float) -> float:
+        """Charge the ledger for ``seconds`` the server did not serve: never-update's throughput (the served
+        throughput over the served version's lower bound) times them; returns the tokens charged."""
+        ledger = self._ledger()
+        tokens = rates.throughput / ledger.ratio.get(str(self.state.version), 1.0) * seconds
+        ledger.stalled(tokens)
+        self.state.ledger = ledger.to_json()
+        return tokens
+
+    def _over_budget(self) -> bool:
+        """The conservative fallback: when the served version's next window at its lower bound, and the swap back,
+        would take the slack below 0, never-update's drafter is served again (its tokens only add slack)."""
+        ratio = self._ratio(self.state.version)
+        if ratio >= 1.0:
+            return False
+        rates = self.rates()
+        ledger = self._ledger()
+        swap = (1.0 - self.config.alpha) * rates.throughput / ratio * self.config.swap_seconds
+        if ledger.slack - keep_risk(rates, ratio, self.config) - swap >= 0:
+            return False
+        entry = {"event": "budget", "version": self.state.version, "ratio": ratio, "slack": ledger.slack}
+        self._stall(rates, self.config.swap_seconds)
+        entry["rolled_back_to"] = self._republish_baseline()
+        self._log(entry)
+        self._reset_window(self.state.version)
+        return True
 
     def _raise_alarm(self, tau: float, best: float) -> None:
         self.alarm = f"live tau {tau:.3f} of version {self.state.version} collapsed (best {best:.3f})"
@@ -485,41 +583,112 @@ class BanditDaemon:
         self._log(entry)
         self.console.print(f"[bold red]ALARM[/] {self.alarm}", soft_wrap=True)
 
-    def _republish(self, version: int, why: str) -> int:
-        """Publish the drafter of an earlier version again, as a new version."""
-        model = self._load_drafter(version_path(self.publish_dir, version))
+    def _republish(self, version: int, why: str, model: torch.nn.Module | None = None) -> int:
+        """Publish the drafter of an earlier version again, as a new version (``model``: that drafter, when this
+        process holds it); it keeps that version's ratio in the ledger."""
+        model = model if model is not None else self._load_drafter(version_path(self.publish_dir, version))
         new = publish(self.publish_dir, model.save_pretrained, {"kind": "drafter", "rollback_of": version, "why": why})
         self.state.trained_at[str(new)] = self.state.trained_at.get(str(version), 0)
+        ledger = self._ledger()
+        ledger.ratio[str(new)] = ledger.ratio.get(str(version), 1.0)
+        self.state.ledger = ledger.to_json()
         self.state.previous, self.state.version = None, new
         self.state.pending = None
         self.state.rollbacks += 1
-        self.drafter = model
+        self.drafter, self._parent = model, None
         return new
 
+    def _republish_baseline(self) -> int:
+        """Serve never-update's drafter again (ratio 1 by definition)."""
+        model = self._load_drafter(self.state_dir / BASELINE)
+        new = self._republish(self.state.baseline_version, "budget", model)
+        ledger = self._ledger()
+        ledger.ratio[str(new)] = 1.0
+        self.state.ledger = ledger.to_json()
+        return new
+
+    def _post_publish_holdout(self, seen: int) -> list[int]:
+        """Indices of the held-back requests that finished after the replay had seen ``seen`` requests."""
+        replay = self.state.replay
+        newer = max(0, (replay["seen"] - seen) // replay["holdout_every"])
+        count = len(replay["holdout"])
+        return list(range(count - min(newer, count), count))
+
     def _judge(self, live: LiveTau) -> None:
-        """The realised outcome of the last published update: learn from it, roll back if worse."""
+        """The rollback test of the last published update: its live gain judged from the paired shadow gain over
+        its parent on the held-back contexts logged since the publish (through the arm's live fit) and from its
+        live τ against the parent's, combined; deferred while that estimate is too uncertain to catch a
+        regression of ``rollback_effect`` with ``rollback_power``, at most ``judge_windows`` windows; rolled back
+        when the estimate is below 0. The ledger's ratio of the version becomes the lower bound of its live gain
+        alone."""
         pending = self.state.pending
-        realised = live.tau - pending.tau_before
-        se = math.hypot(pending.tau_before_se, live.se)
-        stats = ArmStats.from_json(self.state.arms[pending.arm])
-        weight = outcome_weight(se / pending.tau_before, self.config)
-        stats.live.add((pending.shadow_gain, 1.0), realised / pending.tau_before, weight)
-        self.state.arms[pending.arm] = stats.to_json()
-        entry = {"event": "outcome", "decision": pending.decision, "arm": pending.arm, "tau": live.tau}
+        config = self.config
+        pending.windows += 1
+        for tokens, _ in live.recent:
+            pending.steps += 1
+            pending.tokens += tokens
+            pending.tokens_sq += tokens * tokens
+        tau = pending.tokens / pending.steps
+        var = max(0.0, pending.tokens_sq / pending.steps - tau * tau) * pending.steps / max(1, pending.steps - 1)
+        se = math.hypot(pending.tau_before_se, math.sqrt(var / pending.steps))
+        realised = tau - pending.tau_before
+        live_sd = max(se / pending.tau_before, config.live_noise)
+        stats = {name: ArmStats.from_json(obj) for name, obj in self.state.arms.items()}
+        arm = stats[pending.arm]
+        fit = arm.live if arm.live.n else pooled_priors(self.arms, stats, config)[1]
+        rates = self.rates()
+        started = self.clock()
+        paired, paired_se, paired_live, paired_sd = math.nan, math.inf, math.nan, math.inf
+        parent = self._parent
+        if parent is None and self.state.previous is not None:
+            path = version_path(self.publish_dir, self.state.previous)
+            parent = self._load_drafter(path) if path.is_dir() else None
+        held = self._post_publish_holdout(pending.seen)
+        if parent is not None and held:
+            try:
+                served, current = self.shadow(parent), self.shadow(self.drafter)
+                paired, paired_se = paired_gain([served[i] for i in held], [current[i] for i in held])
+            except (RuntimeError, ValueError):
+                paired, paired_se = math.nan, math.inf
+            if math.isfinite(paired):
+                paired_live, paired_sd = live_bound(fit, paired, paired_se)
+        seconds = self.clock() - started
+        self._stall(rates, seconds * config.update_cost_share)
+        gain, sd = combined([(realised / pending.tau_before, live_sd), (paired_live, paired_sd)])
+        entry = {"event": "outcome", "decision": pending.decision, "arm": pending.arm, "tau": tau}
         entry |= {"tau_before": pending.tau_before, "realised_gain": realised, "predicted": pending.tau_new}
+        entry |= {"paired_gain": paired, "paired_se": paired_se, "judged_gain": gain, "judged_sd": sd}
+        entry |= {"power": rollback_power(sd, config), "windows": pending.windows, "update_seconds": seconds}
+        if sd > judged_sd(config) and pending.windows < config.judge_windows:
+            entry["event"] = "deferred"
+            self._log(entry)
+            self._reset_window(self.state.version)
+            return
+        arm.live.add((pending.shadow_gain, 1.0), realised / pending.tau_before, outcome_weight(live_sd, config))
+        self.state.arms[pending.arm] = arm.to_json()
+        # The ledger rests on the live evidence alone (the shadow's mapping to live gains is a model; the budget
+        # must not depend on it).
+        ledger = self._ledger()
+        ratio = judged_ratio(pending.ratio_parent, realised / pending.tau_before, live_sd, config)
+        ledger.ratio[str(self.state.version)] = entry["ratio"] = ratio
+        self.state.ledger = ledger.to_json()
         self.state.pending = None
-        if rolled_back(pending.tau_before, live.tau, self.config, se) and self.state.previous is not None:
-            entry["rolled_back_to"] = self._republish(self.state.previous, "rollback")
+        if rolled_back(gain) and self.state.previous is not None:
+            self._stall(rates, config.swap_seconds)
+            entry["rolled_back_to"] = self._republish(self.state.previous, "rollback", parent)
+        self._parent = None
         self._log(entry)
+        self._reset_window(self.state.version)
 
     def _choose(self, live: LiveTau) -> None:
         rates = self.rates()
         version = self.state.version
+        config = self.config
         stats = {name: ArmStats.from_json(obj) for name, obj in self.state.arms.items()}
-        explore_left = self.config.explore_share * self.state.served_tokens - self.state.explore_tokens
+        ratio = self._ratio(version)
         replay = Replay.from_json(self.state.replay)
         context = self.context(live)
-        arm_name, estimates = plan(rates, context, self.arms, stats, self.config, explore_left)
+        arm_name, estimates = plan(rates, context, self.arms, stats, config, self._ledger().slack, ratio)
         if not any(r["steps"] for r in replay.holdout) or not replay.train:
             # A candidate could be neither trained nor judged: spending the update would buy nothing.
             arm_name = SKIP
@@ -527,9 +696,9 @@ class BanditDaemon:
         entry = {"event": "decision", "decision": self.state.decisions, "version": version, "tau": rates.tau}
         entry |= {"tau_ref": self.state.ref[str(version)], "step_seconds": rates.step_seconds}
         entry |= {"novelty": context.novelty, "drift": context.drift}
-        entry |= {"request_rate": rates.request_rate, "horizon_s": rates.horizon_seconds(self.config)}
-        entry |= {"estimates": [asdict(e) | {"net": e.net, "exploring": e.exploring} for e in estimates]}
-        entry |= {"arm": arm_name, "explore_left": explore_left}
+        entry |= {"request_rate": rates.request_rate, "horizon_s": rates.horizon_seconds(config)}
+        entry |= {"estimates": [asdict(e) | {"net": e.net} for e in estimates]}
+        entry |= {"arm": arm_name, "budget": self._budget()}
         entry["holdout_requests"] = sum(1 for r in replay.holdout if r["steps"])
         if arm_name == SKIP:
             self._log(entry)
@@ -541,38 +710,47 @@ class BanditDaemon:
         try:
             candidate = self.train(arm)
             served_shadow, cand_shadow = self.shadow(self.drafter), self.shadow(candidate)
+            gain, gain_se = paired_gain(served_shadow, cand_shadow)
         except (NonFiniteStep, RuntimeError, ValueError) as e:
             # An update that fails (non-finite loss, an optimiser overflow, a shape error) is logged; the served
             # version stays.
-            candidate, served_shadow, cand_shadow, entry["failed"] = (
-                None,
-                math.nan,
-                math.nan,
-                f"{type(e).__name__}: {e}",
-            )
+            candidate, served_shadow, cand_shadow, entry["failed"] = None, [], [], f"{type(e).__name__}: {e}"
+            gain, gain_se = math.nan, math.inf
         seconds = self.clock() - started
-        if next(e for e in estimates if e.arm == arm_name).exploring:
-            self.state.explore_tokens += cost_tokens(rates, seconds * self.config.update_cost_share)
-        gain = shadow_gain(served_shadow, cand_shadow)
+        self._stall(rates, seconds * config.update_cost_share)
         stats[arm_name].measured(seconds)
         stats[arm_name].tried += 1
         if math.isfinite(gain):
             stats[arm_name].lift.add(context.x, gain)
         self.state.arms[arm_name] = stats[arm_name].to_json()
-        tau_new = shadow_tau(rates, gain, stats[arm_name].live)
-        entry |= {"update_seconds": seconds, "shadow_served": served_shadow, "shadow_candidate": cand_shadow}
-        entry |= {"shadow_gain": gain, "tau_new": tau_new, "published": None}
+        fit = stats[arm_name].live if stats[arm_name].live.n else pooled_priors(self.arms, stats, config)[1]
+        live_mean, live_sd = live_bound(fit, gain, gain_se) if math.isfinite(gain) else (math.nan, math.inf)
+        lower = live_mean - config.confidence_z * live_sd
+        # What the judgement may still cost: the publish's swap, a rollback's, the version's worst case until judged.
+        risk = update_risk(rates, ratio, 0.0, config)
+        slack = self._ledger().slack
+        tau_new = rates.tau * (1.0 + live_mean)
+        entry |= {"update_seconds": seconds, "shadow_served": _mean(served_shadow)}
+        entry |= {"shadow_candidate": _mean(cand_shadow), "shadow_gain": gain, "shadow_se": gain_se}
+        entry |= {"live_gain": live_mean, "live_sd": live_sd, "lower": lower, "tau_new": tau_new}
+        entry |= {"risk": risk, "slack": slack, "published": None}
         if candidate is not None and (reason := broken(candidate)) is not None:
             entry["failed"] = reason
-        elif candidate is not None and should_publish(rates, tau_new, self.config):
-            pending = PendingDecision(self.state.decisions, arm_name, rates.tau, live.se, tau_new, gain, replay.seen)
+        elif candidate is not None and should_publish(rates, lower, config) and risk <= slack:
+            pending = PendingDecision(
+                self.state.decisions, arm_name, rates.tau, live.se, tau_new, gain, gain_se, lower, replay.seen, ratio
+            )
             manifest = {"kind": "drafter", "parent": version, "decision": pending.to_json()}
+            self._stall(rates, config.swap_seconds)
             new = publish(self.publish_dir, candidate.save_pretrained, manifest, keep=self.keep)
             self.state.trained_at[str(new)] = replay.seen
+            ledger = self._ledger()
+            ledger.ratio[str(new)] = ratio * (1.0 - config.regress_max)
+            self.state.ledger = ledger.to_json()
             entry["published"] = new
             self.state.previous, self.state.version, self.state.pending = version, new, pending
             self.state.updates += 1
-            self.drafter = candidate
+            self._parent, self.drafter = self.drafter, candidate
         self._log(entry)
         self._reset_window(version)
 
@@ -631,15 +809,20 @@ class BanditDaemon:
         return candidate
 
     @torch.no_grad()
-    def shadow(self, drafter: torch.nn.Module) -> float:
-        """Mean expected tokens per step of ``drafter`` on the held-back logged contexts (a chain of the family's
-        depths against the logged target top-k along each step's accepted path)."""
+    def shadow(self, drafter: torch.nn.Module) -> list[torch.Tensor]:
+        """Expected tokens per step of ``drafter`` at each held-back logged context (a chain of the family's depths
+        against the logged target top-k along each step's accepted path), one tensor per held-back request in the
+        replay's order (empty for a request without steps), so that two drafters pair context by context.
+
+        Shape: [(C_r,)] per held-back request r
+        """
         replay = Replay.from_json(self.state.replay)
         depth = chain_depth(drafter, self.options)
         totals = []
         for request in replay.holdout:
             steps = request["steps"]
             if not steps:
+                totals.append(torch.zeros(0))
                 continue
             seq = request["prompt"] + request["output"]
             # Shape: (C, D, V) the drafter's distributions of depths 1..D at each logged root
@@ -656,10 +839,8 @@ class BanditDaemon:
                 logprobs[c, :d] = torch.tensor(s["topk_logprobs"][:d])
             ids, logprobs, depths = ids.to(self.device), logprobs.to(self.device), depths.to(self.device)
             alpha = acceptance(logits, ids, logprobs, greedy=self.config.shadow_acceptance == "greedy")
-            totals.append(expected_accepted(alpha, depths))
-        if not totals:
-            return math.nan
-        return float(torch.cat(totals).mean())
+            totals.append(expected_accepted(alpha, depths).cpu())
+        return totals
 
     # ---- running -----------------------------------------------------------------------------------------
     def run(self, once: bool, poll_seconds: float = 1.0) -> int:
@@ -680,6 +861,12 @@ class BanditDaemon:
                 return 0
             if n == 0:
                 self.stop.wait(poll_seconds)
+
+
+def _mean(contexts: list[torch.Tensor]) -> float:
+    """Mean expected tokens per step over every context of a shadow evaluation (NaN without any)."""
+    flat = torch.cat([torch.zeros(0), *contexts])
+    return float(flat.mean()) if flat.numel() else math.nan
 
 
 def run_bandit(
