@@ -1,5 +1,6 @@
 """Engines side by side in one process, stepping in strict alternation: tokens per second of engine time of fixed
-speculative configurations and of the cost-aware controller, as ratios to plain decoding at concurrency 1, 4, 8.
+speculative configurations and of the cost-aware controller, as ratios to plain decoding at concurrency 1, 4, 8
+(``--concurrency``).
 
 ``benchmarks/serve.py`` measures what a client of ``trainer serve`` sees, in turns of seconds; on this 2-core
 machine the CPU's speed wanders by 5-15% over seconds, so two identical servers still differ by a few percent
@@ -17,7 +18,8 @@ work per request is the same for every configuration. Ratios come with the stand
 ``--block`` seconds; a second plain engine ("plain again") is the noise control. Under each row, the controller's
 steps per arm in the measured stretch (its probes and re-checks included).
 
-    OMP_NUM_THREADS=1 python benchmarks/engine_ab.py [--seconds 60] [--configs none:0,recycling:8,auto:0]
+    OMP_NUM_THREADS=1 python benchmarks/engine_ab.py [--seconds 60] [--configs none:0,recycling:8,auto:0] \
+        [--concurrency 1,4,8]
 """
 
 from __future__ import annotations
@@ -40,8 +42,6 @@ from trainer.drafters import load_drafter
 from trainer.paths import project_path
 from trainer.serve.worker import seeded_generator
 from trainer.target import load_causal_lm
-
-CONCURRENCY = (1, 4, 8)
 
 
 class Lane:
@@ -85,6 +85,9 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=10.0, help="seconds of steps before measuring, per concurrency")
     p.add_argument("--block", type=float, default=2.0, help="seconds per block of the standard error")
     p.add_argument("--configs", default="none:0,recycling:8,recycling:16,ddtree:16,auto:0")
+    p.add_argument(
+        "--concurrency", default="1,4,8", help="concurrencies, in order (the engines live through all of them)"
+    )
     p.add_argument("--target", default="checkpoints/target_tiny")
     p.add_argument("--drafter", default="checkpoints/dflash_tiny")
     p.add_argument(
@@ -101,6 +104,7 @@ def main() -> None:
         args.seconds, args.warmup, args.block, args.configs = 0.4, 0.1, 0.2, "none:0,ddtree:8,auto:0"
         args.max_tokens, args.per_module, args.prompt_tokens, args.control = 8, 2, 32, False
     configs, names = configurations(args.configs, args.control)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
     torch.set_grad_enabled(False)
     target = load_causal_lm(str(project_path(args.target))).eval()
     tokenizer = AutoTokenizer.from_pretrained(project_path(args.target))
@@ -110,15 +114,16 @@ def main() -> None:
     # hold: lanes that decoded at different speeds before are at different places in the list.
     prompts = [ids[-args.prompt_tokens :] for ids in tokenizer(texts)["input_ids"] if len(ids) >= args.prompt_tokens]
     print(f"tokens per second of engine time as ratio to plain decoding (T={args.temperature}, {args.seconds:.0f} s "
-          f"of alternating steps); ± the standard error over {args.block:.0f} s blocks")  # fmt: skip
-    print(f"{'concurrency':>11} {'plain tok/s':>11} " + " ".join(f"{n:>16}" for n in names[1:]))
+          f"of alternating steps); ± the standard error over {args.block:.0f} s blocks, then the blocks' median and "
+          "quartiles")  # fmt: skip
+    print(f"{'concurrency':>11} {'plain tok/s':>11} " + " ".join(f"{n:>34}" for n in names[1:]))
     lanes = []
     for tree, budget in configs:
         neural = (args.neural_tree or native_tree(drafter)) if tree == "auto" else None
         policy, trees = policy_for(tree, budget, neural)
         engine = BatchEngine(target, drafter, trees, policy, TreeOptions.parse([]), max_batch=16)
-        lanes.append(Lane(engine, prompts, CONCURRENCY[0], args.max_tokens, args.temperature))
-    for concurrency in CONCURRENCY:
+        lanes.append(Lane(engine, prompts, concurrencies[0], args.max_tokens, args.temperature))
+    for concurrency in concurrencies:
         for lane in lanes:
             lane.concurrency = concurrency
         totals = [[0, 0.0] for _ in lanes]
@@ -126,7 +131,8 @@ def main() -> None:
         block = [[0, 0.0] for _ in lanes]
         start = block_start = time.perf_counter()
         turn = 0
-        while time.perf_counter() - start < args.warmup + args.seconds:
+        # At least one measured turn: on a loaded machine a smoke run's first turns can outlast its seconds.
+        while time.perf_counter() - start < args.warmup + args.seconds or not totals[0][1]:
             measuring = time.perf_counter() - start >= args.warmup
             if not measuring:
                 for lane in lanes:
@@ -149,7 +155,11 @@ def main() -> None:
         for i in range(1, len(lanes)):
             per_block = [b[i] / b[0] for b in blocks]
             error = statistics.stdev(per_block) / len(per_block) ** 0.5 if len(per_block) > 1 else float("nan")
-            cells.append(f"{rates[i] / rates[0]:.3f}x ±{error:.3f}".rjust(16))
+            # The blocks' median and quartiles too: one block with a preempted step of a lane moves the mean's error.
+            low, median, high = (
+                statistics.quantiles(per_block, n=4) if len(per_block) > 1 else (per_block or [float("nan")]) * 3
+            )
+            cells.append(f"{rates[i] / rates[0]:.3f}x ±{error:.3f} ({median:.3f} {low:.3f}-{high:.3f})".rjust(34))
         print(f"{concurrency:>11} {rates[0]:>11.1f} " + " ".join(cells), flush=True)
         # What the controller chose over the measured stretch (its probes and re-checks included).
         for name, lane in zip(names, lanes, strict=True):

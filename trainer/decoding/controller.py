@@ -15,6 +15,8 @@ The rules, why each is there and the measurements behind them: docs/controller.m
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -69,13 +71,32 @@ class ReachEstimate:
 class CostCell:
     """An arm's step seconds at one batch size, at speed 1 (``Controller.cost`` multiplies by the current speed)."""
 
-    # The geometric mean of the measurements, weighted by age.
+    # exp(median of ``samples``).
     seconds: float = 0.0
     # The controller's step counter when last measured (-1: never).
     last_step: int = 0
     measurements: int = 0
-    # Recent measurements, each weighing (1 - cost_decay) per step of age.
-    recent: float = 0.0
+    # log seconds at speed 1 of the last ``cost_window`` measurements, each divided by the machine's speed around it.
+    samples: deque[float] = field(default_factory=deque)
+
+    def add(self, log_seconds: float, window: int) -> None:
+        """Take one measurement (log seconds at speed 1) into the last ``window``."""
+        self.samples.append(log_seconds)
+        while len(self.samples) > window:
+            self.samples.popleft()
+        self.seconds = math.exp(statistics.median(self.samples))
+
+
+class Pending(NamedTuple):
+    """A measurement of an arm whose figure rests on less than a full window, held until the steps after it tell
+    the machine's speed around it."""
+
+    cell: CostCell
+    log_seconds: float
+    # ``Controller.observed`` when it was taken, and the speed (log) then: its reference if no established
+    # figure's step falls around it.
+    at: int
+    drift: float
 
 
 @dataclass
@@ -128,10 +149,9 @@ class Controller:
         refresh: float = 30.0,
         tau_decay: float = 0.01,
         tau_prior: int = 16,
-        cost_decay: float = 0.01,
-        drift_decay: float = 0.2,
-        drift_after: int = 30,
-        drift_clip: float = 0.1,
+        cost_window: int = 15,
+        speed_window: int = 9,
+        pair_steps: int = 3,
         min_samples: int = 2,
         replan: int = 8,
         recheck: int = 25,
@@ -149,13 +169,20 @@ class Controller:
         self.refresh = refresh
         self.tau_decay = tau_decay
         self.tau_prior = tau_prior
-        self.cost_decay = cost_decay
-        self.drift_decay = drift_decay
-        self.drift_after = drift_after
-        self.drift_clip = drift_clip
-        # log of the machine's speed factor (0: as when the figures started); ``speed`` = exp(drift).
+        self.cost_window = cost_window
+        self.speed_window = speed_window
+        self.pair_steps = pair_steps
+        # log of the machine's speed factor (0: as when the figures started); ``speed`` = exp(drift): the median of
+        # ``surprises``, the last ``speed_window`` steps' log seconds over their arm's figure, counted only for
+        # arms whose figure at the step's batch size rests on a full window (``_known``).
         self.drift = 0.0
         self.speed = 1.0
+        self.surprises: deque[float] = deque(maxlen=speed_window)
+        # (``observed`` at the step, its surprise) of the last established steps: the speed around a pending one.
+        self.marks: deque[tuple[int, float]] = deque(maxlen=2 * pair_steps + 1)
+        self.pending: list[Pending] = []
+        # Steps observed so far.
+        self.observed = 0
         self.min_samples = min_samples
         self.replan = replan
         self.recheck = recheck
@@ -193,11 +220,20 @@ class Controller:
 
     def cost(self, arm: TreeArm, batch_size: int) -> float | None:
         """Estimated seconds of a step with ``arm`` at ``batch_size``; None if the arm was never measured. A builder
-        whose trees are nested costs no more at a budget than at any larger one (see ``tau``)."""
+        whose trees are nested costs no more at a budget than at any larger one measured at ``batch_size`` (see
+        ``tau``). Not than a larger one's cost scaled from another size: that estimate is optimistic on purpose (so
+        that the arm gets tried), and as a bound it made every smaller budget as cheap (at four requests
+        recycling@32, measured only at one request, was estimated at 1.5 times its cost there where it costs 4
+        times; recycling@8 and @16, bounded by it, looked as fast as plain decoding, 15% and 30% faster than they
+        ran, and the controller stayed on them through re-checks of plain decoding)."""
         own, (tree, budget) = self._cost(arm, batch_size), arm
         if own is None or tree not in self.nested:
             return own
-        larger = (self._cost(a, batch_size) for a in self.arms if a.tree == tree and a.budget > budget)
+        larger = (
+            self._cost(a, batch_size)
+            for a in self.arms
+            if a.tree == tree and a.budget > budget and batch_size in self.stats[a].cost
+        )
         return min([own, *(c for c in larger if c is not None)])
 
     def tau(self, arm: TreeArm, batch_size: int) -> float:
@@ -241,9 +277,9 @@ class Controller:
         self.steps += 1
         self.load = batch_size if self.load is None else self.load + 0.05 * (batch_size - self.load)
         # The estimates of every arm, the probe and readiness decisions are recomputed every ``replan`` steps, or
-        # sooner when the batch size or its builders change; in between the best estimate runs again. A figure
-        # moves by at most ``cost_decay`` of a surprise per step and the machine's speed scales every arm alike, so
-        # a choice holds over a few steps. Recomputed every step in Python it cost 0.06 ms, half of the 0.12 ms by
+        # sooner when the batch size or its builders change; in between the best estimate runs again. A figure is
+        # the median of a window of measurements and the machine's speed scales every arm alike, so a choice holds
+        # over a few steps. Recomputed every step in Python it cost 0.06 ms, half of the 0.12 ms by
         # which the controller's plain steps at eight requests exceeded a plain engine's 11.4 ms (measured in process).
         plan = self.plan
         if (
@@ -313,17 +349,28 @@ class Controller:
         best estimate's nested builder, after ``recheck`` steps, without a measurement at ``batch_size`` (the
         stalest such); it is then measured on credit (its realised loss charged as a probe's). None: nothing is
         due."""
-        # Plain decoding's interval grows with its loss; a smaller nested budget's does not: its figure against the
-        # best estimate's rests on its cost alone, and a stale cost is what makes it look far behind.
+        # Plain decoding's interval grows with its loss once its figure at the size rests on a full window; a
+        # smaller nested budget's does not: its figure against the best estimate's rests on its cost alone, and a
+        # stale cost is what makes it look far behind. A figure of fewer measurements, the first steps at the size
+        # among them (they can cost 1.6 times a steady step, and a machine shared with other jobs preempts one step
+        # in ten), is not known well enough to be judged far behind: grown with the loss its first two steps made,
+        # the interval let that figure stand for hundreds of steps (at four requests plain decoding's first steps
+        # cost 2.5 times its steady step, it was re-checked once in 200 steps, and the controller ran recycling@8,
+        # 15% behind).
         due = [
             a
             for a, share in loss.items()
             if a != best
             and (a == PLAIN or (a.tree == best.tree in self.nested and a.budget < best.budget))
             and self.steps - self._measured_step(a, batch_size)
-            >= self.recheck / (self._worth([share]) if a == PLAIN else 1)
+            >= self.recheck / (self._worth([share]) if a == PLAIN and self._known(a, batch_size) else 1)
         ]
         return min(due, key=lambda a: self._measured_step(a, batch_size)) if due else None
+
+    def _known(self, arm: TreeArm, batch_size: int) -> bool:
+        """Whether the arm's cost figure at ``batch_size`` rests on a full window of measurements."""
+        cell = self.stats[arm].cost.get(batch_size)
+        return cell is not None and len(cell.samples) >= self.cost_window
 
     def _measured_step(self, arm: TreeArm, batch_size: int) -> int:
         """The step at which ``arm`` was last measured at ``batch_size`` (-1: never)."""
@@ -398,33 +445,34 @@ class Controller:
         if stats is None:
             return
         self.measured_at[tree, budget] = self.seconds
+        self.observed += 1
         cell = stats.cost.setdefault(batch_size, CostCell())
         cell.measurements += 1
-        cell.recent = cell.recent * (1 - self.cost_decay) ** (self.steps - cell.last_step) + 1
         log_seconds = math.log(max(seconds, 1e-9))
-        if cell.measurements == 1:
-            cell.seconds = math.exp(log_seconds - self.drift)
+        # Costs are compared as medians, the machine's speed and every figure alike: this machine's step times
+        # have a long right tail (a step preempted by another job runs 2-3 times its cost, 10% of steps), and a
+        # mean where the speed takes a median (a clipped average) inflated every figure learnt from single
+        # steps by the tail's weight, ~10% on a 2-core machine shared with other jobs: plain decoding, re-checked
+        # one step at a time while recycling@8 ran, looked as dear as recycling though 15% cheaper, and the
+        # running arm's figure crept up against the others' at every step (its mean rose while the speed fell).
+        if self._known((tree, budget), batch_size):
+            # An established figure tells the machine's speed: a young one's surprise is mostly its own error (a
+            # first step's one-time costs). A median of the last few: one preempted step moves it by nothing, a
+            # machine that slows moves it within half a window.
+            surprise = log_seconds - math.log(cell.seconds)
+            self.surprises.append(surprise)
+            self.marks.append((self.observed, surprise))
+            self.drift = statistics.median(self.surprises)
+            self.speed = math.exp(self.drift)
+            cell.add(log_seconds - self.drift, self.cost_window)
+        elif not cell.samples:
+            cell.add(log_seconds - self.drift, self.cost_window)
         else:
-            log_cost = math.log(cell.seconds)
-            if cell.recent > self.drift_after:
-                # Only an established figure tells the machine's speed: a young one's surprise is mostly its own
-                # error (a first step's one-time costs), and moved the drift of every other arm with it. Established
-                # by recent measurements, not by all: an arm probed now and then that became the best estimate on a
-                # lucky figure kept it as the machine's speed moved every other arm's (at one request recycling@32
-                # ran 265 of 950 steps, a fifth behind @8, whose re-checks corrected its figure a fifth at a time).
-                # Clipped (a robust average): a machine that slows moves the drift within a few steps, one slow step
-                # by at most a fifth of the clip. Unclipped, three slow steps as a server's load turn ended (31-55 ms
-                # against ~19) raised every estimate by a half; the arm that ran next learnt its figure at that speed,
-                # and plain decoding, on its figure from before, looked half as dear again as it was (28 against 17-19
-                # ms): at four requests the controller ran recycling@8 for a whole turn, 10% behind plain decoding.
-                surprise = log_seconds - log_cost - self.drift
-                self.drift += self.drift_decay * max(-self.drift_clip, min(self.drift_clip, surprise))
-                self.speed = math.exp(self.drift)
-            # Ages count in steps of the controller, not in measurements of the arm's own: an arm measured once in a
-            # few hundred steps is known as it costs now, not as the mean of its first hundred measurements, taken
-            # while another arm's figure was young and the machine's speed still unknown.
-            rate = 1 / cell.recent
-            cell.seconds = math.exp(log_cost + rate * (log_seconds - self.drift - log_cost))
+            # Divided by the speed around the step, the steps before and after it, once those have run: the speed
+            # of the steps before alone lags a machine that slows or recovers by a few steps, and a probe or a
+            # re-check that fell there took the error whole (the arm's figure rests on a few such measurements).
+            self.pending.append(Pending(cell, log_seconds, self.observed, self.drift))
+        self._pair()
         cell.last_step = self.steps
         if (tree, budget) == PLAIN:
             # No draft node verified: plain decoding's τ is 1, nothing to learn per row.
@@ -440,6 +488,18 @@ class Controller:
             for smaller in [a for a in self.arms if a.tree == tree and a.budget < budget]:
                 cut = [t.within(r.event.path, smaller[1]) for t, r in zip(nested, rows, strict=True)]
                 self._learn(self.stats[smaller], batch_size, cut)
+
+    def _pair(self) -> None:
+        """Take in the pending measurements taken ``pair_steps`` steps ago, each divided by the median speed of the
+        established steps from ``pair_steps`` before it to as many after (or by the speed when it was taken, if
+        none ran there)."""
+        ripe = [p for p in self.pending if self.observed - p.at >= self.pair_steps]
+        if not ripe:
+            return
+        self.pending = [p for p in self.pending if self.observed - p.at < self.pair_steps]
+        for cell, log_seconds, at, drift in ripe:
+            around = [surprise for step, surprise in self.marks if abs(step - at) <= self.pair_steps]
+            cell.add(log_seconds - (statistics.median(around) if around else drift), self.cost_window)
 
     def _learn(self, stats: TreeArmStats, batch_size: int, rows: list[tuple[int, int]]) -> None:
         """Fold rows of (accepted path length with the root, the tree's depth) into the arm's acceptance at
