@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from trainer.errors import UserError
-from trainer.integrations.vllm import register, specblock, treeflash
+from trainer.integrations.vllm import dflash_cpu, register, specblock, treeflash
 from trainer.integrations.vllm.config import PluginConfig
 from trainer.integrations.vllm.records import ended_output
 
@@ -25,8 +25,9 @@ def test_unconfigured_the_plugin_only_registers_its_drafters(monkeypatch):
     registered = []
     monkeypatch.setattr(specblock, "install", lambda: registered.append("specblock"))
     monkeypatch.setattr(treeflash, "install", lambda: registered.append("treeflash"))
+    monkeypatch.setattr(dflash_cpu, "install", lambda: registered.append("dflash_cpu"))
     register()  # would import vLLM (absent here, or patch it there) if it installed the hooks
-    assert sorted(registered) == ["specblock", "treeflash"]
+    assert sorted(registered) == ["dflash_cpu", "specblock", "treeflash"]
     assert "trainer.integrations.vllm.hooks" not in sys.modules
 
 
