@@ -82,21 +82,19 @@ def reduce_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     with torch.no_grad():
         ids, values = top_rows(logits, k)
         if logits.device.type == "cpu" and logits.dtype == torch.float32:
-            # numpy's exp and sum are vectorised passes, ~1.5x torch's on the CPU (measured at 32 x 8192: 0.28
-            # against 0.43 ms); the row maximum is the top-k's column 0.
+            # numpy's subtract and exp are vectorised passes, about twice torch's on the CPU (measured at
+            # 32 x 8192); the row maximum is the top-k's column 0.
             rows, high = logits.numpy(), values[:, :1].numpy()
-            chunks = range(0, len(rows), ROW_CHUNK)
-            lse = np.concatenate([_host_logsumexp(rows[i : i + ROW_CHUNK], high[i : i + ROW_CHUNK]) for i in chunks])
-            return ids, values - torch.from_numpy(lse)
+            lse = np.empty((len(rows), 1), np.float32)
+            for i in range(0, len(rows), ROW_CHUNK):
+                part = rows[i : i + ROW_CHUNK]
+                shifted = np.subtract(part, high[i : i + ROW_CHUNK])
+                np.exp(shifted, out=shifted)
+                # torch's row sum: a third of numpy's time here.
+                lse[i : i + ROW_CHUNK, 0] = torch.from_numpy(shifted).sum(-1).numpy()
+            return ids, values - torch.from_numpy(high + np.log(lse))
         lse = torch.cat([torch.logsumexp(rows.float(), -1, keepdim=True) for rows in logits.split(ROW_CHUNK)])
         return ids, values.float() - lse
-
-
-def _host_logsumexp(rows: np.ndarray, high: np.ndarray) -> np.ndarray:
-    """log Σ exp of every row, given its maximum ``high``. Shape: (R, V), (R, 1) → (R, 1)."""
-    shifted = np.subtract(rows, high)
-    np.exp(shifted, out=shifted)
-    return high + np.log(shifted.sum(-1, keepdims=True))
 
 
 def shareable_of(value: object) -> bool:
