@@ -2,7 +2,9 @@
 
 Every module (one ``.py`` file, named by its dotted path) lands in exactly one split, decided by a hash of
 its name, so the split is the same on every machine whatever the order of the file system. Third-party code
-(``site-packages``) never enters: it stays out-of-domain for adaptation experiments.
+(``site-packages``) never enters: it stays out-of-domain for adaptation experiments. An installed package's own
+source splits by the same rule (``list_modules(split, package_root(name), name)``): the new domain a target is
+fine-tuned on when it moves (``recipes/target_tiny_moved.yaml``).
 
 Run on CPU to see the split sizes::
 
@@ -12,6 +14,7 @@ Run on CPU to see the split sizes::
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import sysconfig
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from trainer.errors import UserError
 from trainer.paths import SHIPPED_ROOT
 
 Split = Literal["train", "validation", "heldout"]
@@ -53,15 +57,27 @@ def split_of(module_name: str) -> Split:
     return "train"
 
 
-def _module_name(root: Path, path: Path) -> str:
-    parts = list(path.relative_to(root).with_suffix("").parts)
+def package_root(package: str) -> Path:
+    """The source directory of the installed package ``package``, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"'{package}' is not an installed package with a source directory")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _module_name(root: Path, path: Path, package: str | None = None) -> str:
+    parts = [package] if package else []
+    parts += list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts) or "__init__"
 
 
-def list_modules(split: Split, root: Path | None = None) -> list[Module]:
-    """All stdlib modules of ``split``, sorted by name. Excludes site-packages and unreadable files."""
+def list_modules(split: Split, root: Path | None = None, package: str | None = None) -> list[Module]:
+    """All stdlib modules of ``split``, sorted by name. Excludes site-packages and unreadable files.
+
+    With ``package``, ``root`` is that package's source directory (``package_root``) and module names start with
+    the package's name."""
     root = root or stdlib_root()
     modules = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -71,7 +87,7 @@ def list_modules(split: Split, root: Path | None = None) -> list[Module]:
             if not filename.endswith(".py"):
                 continue
             path = Path(dirpath) / filename
-            name = _module_name(root, path)
+            name = _module_name(root, path, package)
             if split_of(name) == split:
                 modules.append(Module(name, path))
     return sorted(modules, key=lambda m: m.name)

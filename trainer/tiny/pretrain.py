@@ -11,6 +11,7 @@ At the end of ``fit`` the model and its tokenizer are written as an HF directory
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import sys
 from pathlib import Path
 from typing import Literal
@@ -26,7 +27,7 @@ from trainer.errors import UserError
 from trainer.io import atomic_path, write_dir_atomic
 from trainer.optim import adamw_warmup_cosine, muon_warmup_cosine
 from trainer.paths import project_path
-from trainer.tiny.corpus import Split, list_modules, read_module
+from trainer.tiny.corpus import Split, list_modules, package_root, read_module
 
 
 class TokenChunks(Dataset):
@@ -50,7 +51,9 @@ class TokenChunks(Dataset):
 class StdlibCorpus(L.LightningDataModule):
     """The stdlib source, tokenized once per (tokenizer, interpreter, slice) and cached as uint16 arrays.
 
-    Modules are concatenated in name order, each followed by the end-of-text token, then cut into windows.
+    Modules are concatenated in name order, each followed by the end-of-text token, then cut into windows. With
+    ``packages``, the source of those installed packages replaces the stdlib (each split by the same hash of the
+    module name): the new domain of a target fine-tuned away from the stdlib (``recipes/target_tiny_moved.yaml``).
 
     Args:
         tokenizer: HF tokenizer directory (the tiny target's own).
@@ -59,6 +62,8 @@ class StdlibCorpus(L.LightningDataModule):
         max_files: take only the first ``max_files`` modules of each split (a small slice for smoke runs).
         cache_dir: where token arrays are cached.
         num_workers: DataLoader workers.
+        packages: installed packages whose own Python source is the corpus instead of the standard library, in
+            this order (``max_files`` applies to each).
     """
 
     def __init__(
@@ -69,8 +74,14 @@ class StdlibCorpus(L.LightningDataModule):
         max_files: int | None = None,
         cache_dir: str = "data/cache",
         num_workers: int = 0,
+        packages: list[str] | None = None,
     ) -> None:
         super().__init__()
+        if packages is not None and not packages:
+            raise UserError("data.packages is empty: name at least one installed package, or leave it out (stdlib)")
+        for package in packages or ():
+            package_root(package)  # refuses a name that is not installed before anything is tokenized
+        self.packages = packages
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.max_files = max_files
@@ -94,8 +105,12 @@ class StdlibCorpus(L.LightningDataModule):
 
     def _cache_path(self, split: Split) -> Path:
         tok_hash = hashlib.sha1(Path(self.tokenizer_path, "tokenizer.json").read_bytes()).hexdigest()[:12]
-        py = "py" + ".".join(map(str, sys.version_info[:3]))
         limit = "all" if self.max_files is None else f"first{self.max_files}"
+        if self.packages:
+            # A package's source changes with its release: the cache is per installed version.
+            source = "+".join(f"{p}{_installed_version(p)}" for p in self.packages)
+            return self.cache_dir / f"{source}-{split}-{limit}-{tok_hash}.npy"
+        py = "py" + ".".join(map(str, sys.version_info[:3]))
         return self.cache_dir / f"stdlib-{split}-{py}-{limit}-{tok_hash}.npy"
 
     def tokens(self, split: Split) -> np.ndarray:
@@ -107,7 +122,10 @@ class StdlibCorpus(L.LightningDataModule):
         if path.exists():
             arr = np.load(path, mmap_mode="r")
         else:
-            modules = list_modules(split)[: self.max_files]
+            if self.packages:
+                modules = [m for p in self.packages for m in list_modules(split, package_root(p), p)[: self.max_files]]
+            else:
+                modules = list_modules(split)[: self.max_files]
             texts = [t for t in map(read_module, modules) if t]
             eos = self.tokenizer.eos_token_id
             # Whole modules, cut into rows later: longer than model_max_length is expected (verbose=False).
@@ -133,6 +151,14 @@ class StdlibCorpus(L.LightningDataModule):
             batch_size=self.batch_size,
             num_workers=self.num_workers,
         )
+
+
+def _installed_version(package: str) -> str:
+    """The installed release of the distribution that provides import name ``package``."""
+    dists = importlib.metadata.packages_distributions().get(package)
+    if not dists:
+        raise UserError(f"no installed distribution provides the package '{package}' (data.packages)")
+    return importlib.metadata.version(dists[0])
 
 
 class TargetPretraining(L.LightningModule):
