@@ -21,15 +21,12 @@ from collections import defaultdict
 import pytest
 import torch
 from conftest import ROOT, TINY_TARGET
-
-from trainer.vlog.reader import LogReader
-from trainer.vlog.schema import RecordError
+from test_vllm import read_log
 
 pytestmark = pytest.mark.vllm
 
 PROMPTS, MAX_TOKENS = 4, 32
 DFLASH_TINY = ROOT / "checkpoints" / "dflash_tiny"
-VOCAB = json.loads((TINY_TARGET / "config.json").read_text())["vocab_size"]
 
 SERVE = """
 import json, sys
@@ -153,14 +150,7 @@ def test_dflash_versions_swap_in_draft_like_our_chain_and_a_crashing_one_is_refu
         assert served[name]["counts"] == counts, name
         assert counts[1] > 0, f"{name}: nothing accepted, the comparison would prove nothing"
 
-    steps, requests = defaultdict(list), {}
-    for item in LogReader(logs, {}, vocab_size=VOCAB):
-        assert not isinstance(item.record, RecordError), item.record
-        record = item.record
-        if record["kind"] == "step":
-            steps[record["request"]].append(record)
-        else:
-            requests[record["request"]] = record
+    steps, requests = read_log(logs)
     compared = defaultdict(int)
     for request, record in requests.items():
         if not steps[request]:  # the one-token requests that wait for a swap: no verification step

@@ -10,16 +10,14 @@ import json
 import os
 import subprocess
 import sys
-from collections import defaultdict
 
 import pytest
 import torch
 from conftest import ROOT, TINY_TARGET
 from safetensors.torch import save_file
+from test_vllm import read_log
 
 from trainer.snapshots import ADJACENCY, ADJACENCY_TENSOR, publish
-from trainer.vlog.reader import LogReader
-from trainer.vlog.schema import RecordError
 
 pytestmark = pytest.mark.vllm
 DEPTH = 4
@@ -116,19 +114,6 @@ def served(tmp_path_factory):
     return result
 
 
-def read_log(logs) -> tuple[dict[str, list[dict]], dict[str, list[int]]]:
-    """Every step record of the log per request, in step order, and every request's prompt; no invalid line."""
-    steps, prompts = defaultdict(list), {}
-    for item in LogReader(logs, {}):
-        assert not isinstance(item.record, RecordError), item.record
-        record = item.record
-        if record["kind"] == "step":
-            steps[record["request"]].append(record)
-        else:
-            prompts[record["request"]] = record["prompt_ids"]
-    return {r: sorted(s, key=lambda x: x["step"]) for r, s in steps.items()}, prompts
-
-
 def test_graft_is_lossless_and_refuses_a_table_that_does_not_fit(served):
     for phase in ("v1", "v2", "refused"):
         assert served["outputs"][phase] == served["plain"], phase
@@ -151,7 +136,8 @@ def test_graft_chains_equal_our_engines_per_step(served):
     tables = {1: table, 2: table[:, [1, 0, *range(2, table.shape[1])]]}
     options = TreeOptions()
     build = BUILDERS["recycling-chain"].build
-    steps, prompts = read_log(served["logs"])
+    steps, requests = read_log(served["logs"])
+    prompts = {r: record["prompt_ids"] for r, record in requests.items()}
     graft_steps = [s for request in steps.values() for s in request]
     assert graft_steps and all(s["tree"] == "vllm-graft" and s["drafter"] is None for s in graft_steps)
     def chain(version: int, root: int) -> list[int]:

@@ -125,8 +125,12 @@ class GraftProposer:
 
     # ---- published versions -----------------------------------------------------------------------------------
     def start_watch(self, watch: Path, poll_seconds: float) -> None:
-        """Watch ``watch/current`` for adjacency versions on a thread of its own."""
+        """Watch ``watch/current`` for adjacency versions on a thread of its own, from the first drafting step on:
+        while vLLM still initialises (its CPU worker binds its OpenMP threads after loading the models), torch work
+        on a second thread aborted the process (``terminate called without an active exception``, 2 starts in 7)."""
         self.watch, self.poll_seconds = watch, poll_seconds
+
+    def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._watch, name="trainer-vllm-graft", daemon=True)
         self._thread.start()
 
@@ -276,6 +280,8 @@ class GraftProposer:
         """One chain per batch row (``[]`` for a row that sampled nothing: a partial prefill). Fails open: an
         error drafts nothing this step."""
         try:
+            if self.watch is not None and self._thread is None:
+                self._start_thread()
             self._switch()
             drafts = []
             for i, sampled in enumerate(sampled_token_ids):
