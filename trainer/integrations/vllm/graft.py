@@ -32,6 +32,7 @@ plainly) and is counted the same way: it never raises into vLLM.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from collections import OrderedDict
@@ -125,17 +126,21 @@ class GraftProposer:
 
     # ---- published versions -----------------------------------------------------------------------------------
     def start_watch(self, watch: Path, poll_seconds: float) -> None:
-        """Watch ``watch/current`` for adjacency versions on a thread of its own, from the first drafting step on:
-        while vLLM still initialises (its CPU worker binds its OpenMP threads after loading the models), torch work
-        on a second thread aborted the process (``terminate called without an active exception``, 2 starts in 7)."""
+        """Watch ``watch/current`` for adjacency versions on a thread of its own, from the first drafting step on."""
         self.watch, self.poll_seconds = watch, poll_seconds
 
     def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._watch, name="trainer-vllm-graft", daemon=True)
         self._thread.start()
+        # Stopped before the interpreter finalises: a daemon thread frozen inside a load at exit aborted the process
+        # (``terminate called without an active exception``).
+        atexit.register(self.close)
 
     def close(self) -> None:
+        """Stop the watch thread (waiting for a load in progress)."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_seconds):

@@ -23,6 +23,7 @@ requests whose first step it drafted (docs/vllm.md, "Versions").
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -176,9 +177,15 @@ class Reloader:
         self.figures.set("version", 0)
         self._thread = threading.Thread(target=self._watch, name="trainer-vllm-reload", daemon=True)
         self._thread.start()
+        # Stopped before the interpreter finalises: a daemon thread frozen inside a load at exit can abort the
+        # process (the graft proposer's watch did: ``terminate called without an active exception``).
+        atexit.register(self.close)
 
     def close(self) -> None:
+        """Stop the watch thread (waiting for a preparation in progress)."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
     @staticmethod
     def _signature(fields: dict[str, Any], weights: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict]:
