@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 trainer fit --recipe target_tiny_moved                   # the moved target: runs/target_moved/hf
     OMP_NUM_THREADS=1 python benchmarks/target_moved.py check                  # is it different? -> check.json
     OMP_NUM_THREADS=1 python benchmarks/target_moved.py ceiling                # what updating can win -> ceiling.json
-    python benchmarks/target_moved.py check --smoke                            # seconds: checks that it runs
+    python benchmarks/target_moved.py --smoke                                  # seconds: both run
 
 In production a drafter goes stale when its target is updated. ``recipes/target_tiny_moved.yaml`` fine-tunes the
 shipped target (lr 3e-3) on the installed torch's own Python (the train split of its modules, by the module hash);
@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -180,7 +181,7 @@ def ceiling(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=("check", "ceiling"))
+    p.add_argument("command", nargs="?", choices=("check", "ceiling"), help="both, with --smoke alone")
     p.add_argument("--moved", default=MOVED, help="the moved target (HF directory)")
     p.add_argument("--out", type=Path, default=None, help="default: runs/target_moved (check), .../ceiling")
     p.add_argument("--budget", type=int, default=None, help="draft nodes per step (check 16, ceiling 8: the trace's)")
@@ -195,6 +196,16 @@ def main() -> None:
     p.add_argument("--slices", type=int, default=3, help="ceiling: traffic parts (successive updates' data)")
     p.add_argument("--smoke", action="store_true", help="seconds, tiny sizes, the shipped target as 'moved'")
     args = p.parse_args()
+    if args.command is None:
+        if not args.smoke:
+            p.error("name the command: check or ceiling")
+        for command in ("check", "ceiling"):
+            run(p.parse_args([command, *sys.argv[1:]]))
+        return
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     defaults = {"check": (16, 64, 96), "ceiling": (8, 40, 64)}[args.command]
     for key, value in zip(("budget", "new_tokens", "prompt_tokens"), defaults, strict=True):
         if getattr(args, key) is None:
