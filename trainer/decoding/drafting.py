@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
 from trainer.decoding.tree import Transitions, Tree
 from trainer.decoding.verify import Verdict, growing_cache
@@ -201,16 +201,7 @@ def draft_blocks(sessions: list[BlockDraftSession], roots: list[int], depths: li
         visible[b, : cached[b]] = True
         visible[b, p : p + end - start] = True
         visible[b, p + c : p + c + depth + 1] = True
-    batch_cache = DynamicCache(config=drafter.cache_config)
-    if p:
-        for layer in range(len(batch_cache.layers)):
-            own = [s.cache.layers[layer] for s in sessions]
-            like = next(o.keys for o in own if o.is_initialized)
-            keys, values = (
-                torch.cat([_padded(getattr(o, kind) if o.is_initialized else like[:, :, :0], p) for o in own])
-                for kind in ("keys", "values")
-            )
-            batch_cache.update(keys, values, layer)
+    batch_cache = _padded_cache(sessions, p, drafter.cache_config)
     hidden = drafter(
         noise_embedding=sessions[0].embed(block).to(dtype),
         target_hidden=features,
@@ -408,7 +399,6 @@ class GraftSession(DraftSession):
             self.memory.commit(tokens, features, tree, logits)
 
 
-
 class Eagle3Session(ContextSession):
     """EAGLE-3 with EAGLE-2's dynamic tree: context positions are entered into the drafter's KV cache once as
     ``(fuse(f_t), E[x_{t+1}])``; each step enters the pending ones (the last pairs with the root) and then
@@ -598,7 +588,7 @@ def specblock_chains(sessions: list[SpecBlockSession], roots: list[int], lengths
     # Shape: (B, 1, C·K, P + C·K): a row's own cached keys, then the context rule over its own positions.
     own_keys = torch.arange(p, device=device) < torch.tensor(cached, device=device)[:, None]
     mask = torch.cat([own_keys[:, None].expand(rows, c * k, p), context_mask(real, k)], dim=-1)[:, None]
-    cache = _padded_cache(sessions, p)
+    cache = _padded_cache(sessions, p, sessions[0].drafter.config)
     condition = drafter.project_features(features)
     hidden = drafter(condition, sessions[0].embed(tokens).to(dtype), positions, mask, cache)
     for b, session in enumerate(sessions):
@@ -656,7 +646,9 @@ class _ChainLaunch:
         first = self.sessions[0]
         drafter, k = first.drafter, first.block_size
         if self.cache is None:
-            self.cache = _padded_cache(self.sessions, max(s.cache.get_seq_length() for s in self.sessions))
+            self.cache = _padded_cache(
+                self.sessions, max(s.cache.get_seq_length() for s in self.sessions), self.sessions[0].drafter.config
+            )
         if rows != self.rows:
             keep = torch.tensor([self.rows.index(b) for b in rows], device=first.device)
             for layer in self.cache.layers:
@@ -678,9 +670,10 @@ class _ChainLaunch:
         return hidden[:, 0]
 
 
-def _padded_cache(sessions: list[SpecBlockSession], length: int) -> DynamicCache:
-    """The sessions' cached keys and values as one batch, each zero-padded to ``length`` positions."""
-    cache = DynamicCache(config=sessions[0].drafter.config)
+def _padded_cache(sessions: list[ContextSession], length: int, config: PretrainedConfig) -> DynamicCache:
+    """The sessions' cached keys and values as one batch, each zero-padded to ``length`` positions (``config``: the
+    drafter's cache config)."""
+    cache = DynamicCache(config=config)
     if length:
         for layer in range(len(cache.layers)):
             own = [s.cache.layers[layer] for s in sessions]
@@ -697,4 +690,3 @@ def uses_drafter(kind: type[DraftSession]) -> bool:
     """Whether sessions of ``kind`` draft with the drafter: all but plain decoding's (the base class) and
     retrieval's. A step drafted by such a session names the drafter and its version in the verifier log."""
     return kind not in (DraftSession, RecyclingSession)
-
