@@ -32,7 +32,6 @@ plainly) and is counted the same way: it never raises into vLLM.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 from collections import OrderedDict
@@ -48,6 +47,7 @@ from trainer.decoding.drafting import RecyclingSession, check_adjacency
 from trainer.decoding.tree import retrieval
 from trainer.integrations.vllm.config import PluginConfig, PluginError
 from trainer.integrations.vllm.metrics import PluginFigures
+from trainer.integrations.vllm.poller import Poller
 from trainer.integrations.vllm.records import identity, verified_rows
 from trainer.sampling import top_rows
 from trainer.snapshots import load_adjacency, read_current, snapshot_kind
@@ -104,10 +104,8 @@ class GraftProposer:
         self._wanted: set[str] = set()
         self._known: set[str] = set()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._poller: Poller | None = None
         self.watch: Path | None = None
-        self.poll_seconds = 0.5
         self.template = chain_template(self.depth)
 
     def load_model(self, target: Any) -> None:
@@ -127,27 +125,12 @@ class GraftProposer:
     # ---- published versions -----------------------------------------------------------------------------------
     def start_watch(self, watch: Path, poll_seconds: float) -> None:
         """Watch ``watch/current`` for adjacency versions on a thread of its own, from the first drafting step on."""
-        self.watch, self.poll_seconds = watch, poll_seconds
-
-    def _start_thread(self) -> None:
-        self._thread = threading.Thread(target=self._watch, name="trainer-vllm-graft", daemon=True)
-        self._thread.start()
-        # Stopped before the interpreter finalises: a daemon thread frozen inside a load at exit aborted the process
-        # (``terminate called without an active exception``).
-        atexit.register(self.close)
+        self.watch = watch
+        self._poller = Poller(self.check_once, poll_seconds, lambda phase, e: self.on_error(phase, e), "graft")
 
     def close(self) -> None:
-        """Stop the watch thread (waiting for a load in progress)."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
-
-    def _watch(self) -> None:
-        while not self._stop.wait(self.poll_seconds):
-            try:
-                self.check_once()
-            except Exception as e:  # the thread outlives anything a publish directory can do to it
-                self.on_error("graft", e)
+        if self._poller is not None:
+            self._poller.close()
 
     def check_once(self) -> None:
         """Load a new version (or the views of tenants met since the last load) for the engine thread to take."""
@@ -285,8 +268,8 @@ class GraftProposer:
         """One chain per batch row (``[]`` for a row that sampled nothing: a partial prefill). Fails open: an
         error drafts nothing this step."""
         try:
-            if self.watch is not None and self._thread is None:
-                self._start_thread()
+            if self._poller is not None and not self._poller.started:
+                self._poller.start()
             self._switch()
             drafts = []
             for i, sampled in enumerate(sampled_token_ids):

@@ -23,9 +23,7 @@ requests whose first step it drafted (docs/vllm.md, "Versions").
 
 from __future__ import annotations
 
-import atexit
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +39,7 @@ from trainer.export.speculators import load as load_speculators
 from trainer.integrations.vllm import dflash_cpu, specblock
 from trainer.integrations.vllm.config import PluginError
 from trainer.integrations.vllm.metrics import PluginFigures
+from trainer.integrations.vllm.poller import Poller
 from trainer.snapshots import read_current
 
 logger = logging.getLogger("trainer.integrations.vllm")
@@ -132,7 +131,6 @@ class Reloader:
 
     def __init__(self, watch: Path, poll_seconds: float, figures: PluginFigures, on_error: Any) -> None:
         self.watch = Path(watch)
-        self.poll_seconds = poll_seconds
         self.figures = figures
         self.on_error = on_error
         self.runner: Any = None
@@ -149,8 +147,7 @@ class Reloader:
         self.prepare_ms: list[float] = []
         self._ready: Prepared | None = None
         self._taken = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._poller = Poller(self.check_once, poll_seconds, on_error, "reload")
 
     @property
     def swaps(self) -> int:
@@ -175,30 +172,16 @@ class Reloader:
         self.reference = self._signature(fields, weights)
         self.serving = weights
         self.figures.set("version", 0)
-        self._thread = threading.Thread(target=self._watch, name="trainer-vllm-reload", daemon=True)
-        self._thread.start()
-        # Stopped before the interpreter finalises: a daemon thread frozen inside a load at exit can abort the
-        # process (the graft proposer's watch did: ``terminate called without an active exception``).
-        atexit.register(self.close)
+        self._poller.start()
 
     def close(self) -> None:
-        """Stop the watch thread (waiting for a preparation in progress)."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
+        self._poller.close()
 
     @staticmethod
     def _signature(fields: dict[str, Any], weights: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict]:
         return {k: fields.get(k) for k in ARCHITECTURE}, {k: tuple(v.shape) for k, v in weights.items()}
 
     # ---- the watching thread -----------------------------------------------------------------------------
-    def _watch(self) -> None:
-        while not self._stop.wait(self.poll_seconds):
-            try:
-                self.check_once()
-            except Exception as e:  # the thread outlives anything a published directory can do to it
-                self.on_error("reload", e)
-
     def check_once(self) -> None:
         """Read ``watch/current`` and prepare a version that is new, not refused and not already waiting."""
         if self._ready is not None:
